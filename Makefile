@@ -1,0 +1,65 @@
+# Two commands set up a fresh machine (see README): `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch unless overridden (e.g. TORCH_SPEC="torch==2.5.1" on a GPU host).
+TORCH_SPEC ?= torch==2.13.0
+RUN_DIR ?= run
+BLOCKD_ADDR ?= 127.0.0.1:50051
+COMPUTED_ADDR ?= 127.0.0.1:50052
+COMPUTED2_ADDR ?= 127.0.0.1:50053
+PYTEST_ARGS ?=
+
+.PHONY: install proto proto-check test test-slow lint bench bench-quick up up2 down demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	cd clients/node && npm install --no-audit --no-fund --silent
+	touch $@
+
+# Generated code lives in kvcache/ and is never edited by hand.
+proto: install
+	rm -rf kvcache
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/kvcache/v1/*.proto
+	touch kvcache/__init__.py kvcache/v1/__init__.py
+
+proto-check: install
+	$(BIN)/buf lint
+
+lint: install proto-check
+	$(BIN)/ruff check blockd computed clients tests bench
+
+test: install
+	$(BIN)/buf lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench
+
+bench-quick: install
+	$(BIN)/python -m bench --quick
+
+up: install
+	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR)
+
+up2: install
+	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
+		--computed $(COMPUTED2_ADDR)
+
+down:
+	$(BIN)/python -m clients.stack down --run-dir $(RUN_DIR)
+
+demo: install
+	$(BIN)/python -m clients.demo --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR)
+
+clean:
+	rm -rf $(RUN_DIR) .pytest_cache

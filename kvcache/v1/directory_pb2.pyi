@@ -1,0 +1,445 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_EVENT_KIND_UNSPECIFIED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_STORED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_REMOVED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_CLEARED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_GAP: _ClassVar[BlockEventKind]
+BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
+BLOCK_EVENT_KIND_STORED: BlockEventKind
+BLOCK_EVENT_KIND_REMOVED: BlockEventKind
+BLOCK_EVENT_KIND_CLEARED: BlockEventKind
+BLOCK_EVENT_KIND_GAP: BlockEventKind
+
+class Namespace(_message.Message):
+    __slots__ = ("model_id", "model_revision", "dtype", "adapter_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    model_revision: str
+    dtype: str
+    adapter_id: str
+    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    namespace: Namespace
+    worker_address: str
+    pool_id: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    lease_ttl_seconds: float
+    max_sequence_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., max_sequence_tokens: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("pool_id", "epoch")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease_ttl_seconds",)
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_seconds: float
+    def __init__(self, lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class AdmitOp(_message.Message):
+    __slots__ = ("sequence_id", "token_ids", "cache_salt", "public_prefix_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    public_prefix_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
+
+class AdmitResult(_message.Message):
+    __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    admitted: bool
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class GrowOp(_message.Message):
+    __slots__ = ("sequence_id", "num_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    num_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class GrowResult(_message.Message):
+    __slots__ = ("sequence_id", "grown", "new_block_ids")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROWN_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    grown: bool
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., grown: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitOp(_message.Message):
+    __slots__ = ("sequence_id", "block_ids", "token_ids")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseOp(_message.Message):
+    __slots__ = ("sequence_id",)
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    def __init__(self, sequence_id: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pool_id", "epoch", "commits", "releases", "grows", "admits")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    GROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMITS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    commits: _containers.RepeatedCompositeFieldContainer[CommitOp]
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseOp]
+    grows: _containers.RepeatedCompositeFieldContainer[GrowOp]
+    admits: _containers.RepeatedCompositeFieldContainer[AdmitOp]
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[CommitOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., grows: _Optional[_Iterable[_Union[GrowOp, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitOp, _Mapping]]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("grows", "admits", "num_free_blocks", "num_evictable_blocks")
+    GROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    grows: _containers.RepeatedCompositeFieldContainer[GrowResult]
+    admits: _containers.RepeatedCompositeFieldContainer[AdmitResult]
+    num_free_blocks: int
+    num_evictable_blocks: int
+    def __init__(self, grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ...) -> None: ...
+
+class ResyncSequence(_message.Message):
+    __slots__ = ("sequence_id", "block_ids", "token_ids", "cache_salt", "public_prefix_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    public_prefix_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
+
+class ResyncRequest(_message.Message):
+    __slots__ = ("pool_id", "epoch", "sequences")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    sequences: _containers.RepeatedCompositeFieldContainer[ResyncSequence]
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ResyncSequence, _Mapping]]] = ...) -> None: ...
+
+class ResyncResponse(_message.Message):
+    __slots__ = ("num_sequences", "num_committed_blocks")
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_sequences: int
+    num_committed_blocks: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_committed_blocks: _Optional[int] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFERENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMISSIONS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_referenced_blocks: int
+    num_pinned_blocks: int
+    num_cached_blocks: int
+    num_sequences: int
+    queried_tokens: int
+    hit_tokens: int
+    num_evictions: int
+    num_admissions: int
+    num_admissions_deferred: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("total", "pools", "last_event_sequence")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    total: PoolStats
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    last_event_sequence: int
+    def __init__(self, total: _Optional[_Union[PoolStats, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("pool_id", "epoch", "namespace", "block_size", "num_blocks", "worker_address", "lease_remaining_seconds", "is_live", "stats")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    namespace: Namespace
+    block_size: int
+    num_blocks: int
+    worker_address: str
+    lease_remaining_seconds: float
+    is_live: bool
+    stats: PoolStats
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., worker_address: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., is_live: _Optional[bool] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+
+class BlockInfo(_message.Message):
+    __slots__ = ("pool_id", "block_id", "block_hash", "parent_hash", "token_ids", "ref_count", "is_pinned", "block_index", "is_salted")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    IS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IS_SALTED_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ref_count: int
+    is_pinned: bool
+    block_index: int
+    is_salted: bool
+    def __init__(self, pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., ref_count: _Optional[int] = ..., is_pinned: _Optional[bool] = ..., block_index: _Optional[int] = ..., is_salted: _Optional[bool] = ...) -> None: ...
+
+class ListBlocksRequest(_message.Message):
+    __slots__ = ("pool_id", "page_size", "page_token")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    page_size: int
+    page_token: str
+    def __init__(self, pool_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "next_page_token")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    next_page_token: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "pool_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    public_prefix_tokens: int
+    pool_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class PoolMatch(_message.Message):
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "load", "num_sequences")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    worker_address: str
+    num_cached_tokens: int
+    load: float
+    num_sequences: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load: _Optional[float] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("matches",)
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    matches: _containers.RepeatedCompositeFieldContainer[PoolMatch]
+    def __init__(self, matches: _Optional[_Iterable[_Union[PoolMatch, _Mapping]]] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("pool_id", "cache_salt")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    cache_salt: str
+    def __init__(self, pool_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("dropped", "busy")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    busy: int
+    def __init__(self, dropped: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "ttl_seconds", "pool_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    public_prefix_tokens: int
+    ttl_seconds: float
+    pool_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pin_id", "num_pinned_tokens", "num_pinned_blocks", "expires_in_seconds")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    num_pinned_tokens: int
+    num_pinned_blocks: int
+    expires_in_seconds: float
+    def __init__(self, pin_id: _Optional[str] = ..., num_pinned_tokens: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("num_unpinned_blocks",)
+    NUM_UNPINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_unpinned_blocks: int
+    def __init__(self, num_unpinned_blocks: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("after_sequence", "pool_id")
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    after_sequence: int
+    pool_id: str
+    def __init__(self, after_sequence: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("sequence", "kind", "pool_id", "block_hashes", "parent_hash", "token_ids", "block_ids")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: BlockEventKind
+    pool_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[BlockEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    public_prefix_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "candidates")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    worker_address: str
+    num_cached_tokens: int
+    candidates: _containers.RepeatedCompositeFieldContainer[PoolMatch]
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[PoolMatch, _Mapping]]] = ...) -> None: ...
