@@ -1,0 +1,78 @@
+"""computed's configuration: frozen, validated, built once in __main__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# The project's own small Llama, trained offline on the Python standard library.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_FORMATS = ("auto", "console", "json")
+
+
+@dataclass(frozen=True)
+class ComputedConfig:
+    listen: str = "127.0.0.1:50052"
+    blockd: str = "127.0.0.1:50051"
+    model: Path = DEFAULT_MODEL_DIR
+    device: str = "auto"
+    # auto: float32 on CPU (exactness against the reference), bfloat16 on CUDA.
+    dtype: str = "auto"
+    # Tokens per KV block; must equal what blockd registers for this pool.
+    block_size: int = 16
+    # Pool size in blocks; None sizes it from kv_cache_memory_bytes (CPU) or
+    # gpu_memory_utilization (CUDA).
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    # Model tokens per step (only uncached tokens are charged); longer prompts are
+    # prefilled in chunks.
+    max_num_batched_tokens: int = 2048
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Address clients use to reach this worker (announced to blockd for routing);
+    # None: the bound listen address.
+    worker_address: str | None = None
+    ready_file: Path | None = None
+    log_format: str = "auto"
+    metrics_port: int | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # CA bundle to verify blockd's certificate (TLS to blockd when set).
+    blockd_tls_ca: Path | None = None
+    blockd_tls_cert: Path | None = None
+    blockd_tls_key: Path | None = None
+    # SIGTERM: stop admitting, let running requests finish this long, cancel the rest.
+    drain_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"--block-size must be in 1..1024, got {self.block_size}")
+        if self.num_blocks is not None and not 1 <= self.num_blocks <= 16_777_216:
+            raise ValueError(f"--num-blocks must be in 1..16777216, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("--kv-cache-memory must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be >= 2")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if (self.blockd_tls_cert is None) != (self.blockd_tls_key is None):
+            raise ValueError("--blockd-tls-cert and --blockd-tls-key go together")
+        if self.drain_seconds < 0:
+            raise ValueError("--drain-seconds must be >= 0")
+        if not (self.model / "config.json").is_file():
+            raise ValueError(f"--model {self.model}: no config.json there (a Hugging Face model directory)")

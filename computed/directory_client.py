@@ -1,0 +1,158 @@
+"""The one way computed talks to blockd: register, a batched Step per iteration, resync.
+
+Every failure of blockd (down, restarted, lease lapsed, stale epoch) surfaces as
+`DirectoryUnavailable`; the engine then calls `recover()`, which re-registers the
+same pool id (blockd resets it) and re-declares the live sequences with `Resync`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from computed.directory_ops import (
+    AdmitOutcome,
+    DirectoryOps,
+    DirectoryResult,
+    GrowOutcome,
+    LiveSequence,
+)
+from computed.errors import DirectoryUnavailable
+from kvcache.v1 import directory_pb2 as pb
+from kvcache.v1 import directory_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("computed.directory")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    num_blocks: int
+    block_size: int
+    model_id: str
+    model_revision: str
+    dtype: str
+    worker_address: str
+
+
+@dataclass
+class PoolLease:
+    """What blockd granted: runtime state, replaced at every (re-)registration."""
+
+    pool_id: str
+    epoch: int
+    lease_ttl_seconds: float
+
+
+class DirectoryClient:
+    def __init__(self, address: str, spec: PoolSpec,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 call_timeout: float = 10.0) -> None:
+        self.address = address
+        self.spec = spec
+        self.call_timeout = call_timeout
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
+                         else grpc.aio.insecure_channel(address, options=options))
+        self._stub = pb_grpc.BlockDirectoryServiceStub(self._channel)
+        self.lease: PoolLease | None = None
+        # Set by the lease renewer when blockd no longer knows our epoch.
+        self.needs_recovery = False
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def register(self) -> PoolLease:
+        spec = self.spec
+        request = pb.RegisterPoolRequest(
+            num_blocks=spec.num_blocks, block_size=spec.block_size,
+            namespace=pb.Namespace(model_id=spec.model_id, model_revision=spec.model_revision,
+                                   dtype=spec.dtype),
+            worker_address=spec.worker_address,
+            pool_id=self.lease.pool_id if self.lease else "")
+        reply = await self._call(self._stub.RegisterPool, request)
+        self.lease = PoolLease(reply.pool_id, reply.epoch, reply.lease_ttl_seconds)
+        log.info("pool_registered", pool_id=reply.pool_id, epoch=reply.epoch,
+                 lease_ttl=reply.lease_ttl_seconds, blockd=self.address)
+        return self.lease
+
+    async def step(self, ops: DirectoryOps) -> DirectoryResult:
+        lease = self._require_lease()
+        request = pb.StepRequest(
+            pool_id=lease.pool_id, epoch=lease.epoch,
+            commits=[pb.CommitOp(sequence_id=c.seq_id, block_ids=c.block_ids, token_ids=c.token_ids)
+                     for c in ops.commits],
+            releases=[pb.ReleaseOp(sequence_id=s) for s in ops.releases],
+            grows=[pb.GrowOp(sequence_id=g.seq_id, num_tokens=g.num_tokens) for g in ops.grows],
+            admits=[pb.AdmitOp(sequence_id=a.seq_id, token_ids=a.token_ids, cache_salt=a.cache_salt,
+                               public_prefix_tokens=a.public_prefix_tokens) for a in ops.admits])
+        reply = await self._call(self._stub.Step, request)
+        return DirectoryResult(
+            grows=[GrowOutcome(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
+            admits=[AdmitOutcome(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                    for a in reply.admits],
+            num_free_blocks=reply.num_free_blocks, num_evictable_blocks=reply.num_evictable_blocks)
+
+    async def resync(self, sequences: list[LiveSequence]) -> None:
+        lease = self._require_lease()
+        request = pb.ResyncRequest(pool_id=lease.pool_id, epoch=lease.epoch, sequences=[
+            pb.ResyncSequence(sequence_id=s.seq_id, block_ids=s.block_ids, token_ids=s.token_ids,
+                              cache_salt=s.cache_salt, public_prefix_tokens=s.public_prefix_tokens)
+            for s in sequences])
+        reply = await self._call(self._stub.Resync, request)
+        log.info("pool_resynced", pool_id=lease.pool_id, epoch=lease.epoch,
+                 sequences=reply.num_sequences, committed_blocks=reply.num_committed_blocks)
+
+    async def recover(self, live: list[LiveSequence], stopping: asyncio.Event | None = None) -> None:
+        """Re-register and resync until blockd answers (backoff with jitter)."""
+        delay = 0.05
+        while True:
+            try:
+                await self.register()
+                await self.resync(live)
+                self.needs_recovery = False
+                return
+            except DirectoryUnavailable as exc:
+                if stopping is not None and stopping.is_set():
+                    raise
+                log.warning("blockd_recovery_retry", error=str(exc), retry_in=round(delay, 3))
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+
+    async def renew_forever(self, wake: asyncio.Event) -> None:
+        """Renew the lease at a third of its TTL; flag recovery when blockd lost us."""
+        while True:
+            ttl = self.lease.lease_ttl_seconds if self.lease else 3.0
+            await asyncio.sleep(max(0.05, ttl / 3))
+            if self.lease is None or self.needs_recovery:
+                continue
+            try:
+                await self._call(self._stub.RenewLease, pb.RenewLeaseRequest(
+                    pool_id=self.lease.pool_id, epoch=self.lease.epoch))
+            except DirectoryUnavailable as exc:
+                log.warning("lease_renewal_failed", error=str(exc))
+                self.needs_recovery = True
+                wake.set()
+
+    def _require_lease(self) -> PoolLease:
+        if self.lease is None:
+            raise DirectoryUnavailable("not registered with blockd yet")
+        return self.lease
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.call_timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
+                                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.CANCELLED):
+                # Anything else means our bookkeeping disagrees with blockd's: resync heals it.
+                log.error("blockd_refused", method=getattr(method, "_method", b"?"),
+                          code=exc.code().name, details=exc.details())
+            raise DirectoryUnavailable(f"{exc.code().name}: {exc.details()}") from exc

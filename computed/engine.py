@@ -1,0 +1,251 @@
+"""The step loop: scheduler + directory client + model runner, streaming to requests.
+
+The loop runs as an asyncio task; the forward pass runs in one worker thread so the
+event loop keeps serving RPCs. Each iteration sends exactly one batched `Step` to
+blockd. Only admissions (and a grow the step cannot run without) wait for its
+answer; commits, releases and look-ahead grows travel while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import structlog
+
+from computed.directory_client import DirectoryClient
+from computed.directory_ops import DirectoryOps, DirectoryResult
+from computed.errors import DirectoryUnavailable
+from computed.model_runner import ModelRunner
+from computed.output import OutputText, TokenDecoder
+from computed.scheduler import ScheduledChunk, Scheduler
+from computed.sequence import SamplingParams, Sequence
+
+log = structlog.get_logger("computed.engine")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    time_to_first_token_seconds: float
+    total_time_seconds: float
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters for benchmarks and metrics (all since start)."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # model positions computed for prompts (uncached only)
+    num_decode_tokens: int = 0
+    forward_seconds: float = 0.0
+    directory_wait_seconds: float = 0.0  # engine time blocked on blockd
+    busy_seconds: float = 0.0  # wall time of iterations that had work
+    num_recoveries: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    output: OutputText
+    queue: asyncio.Queue
+    arrival: float
+    first_token_at: float | None = None
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, directory: DirectoryClient) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.directory = directory
+        self.stats = EngineStats()
+        self._requests: dict[int, _Request] = {}
+        self._seq_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._tasks: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.directory.recover([], self._stopping)
+        self._tasks = [asyncio.create_task(self._loop(), name="engine-loop"),
+                       asyncio.create_task(self.directory.renew_forever(self._wake), name="lease")]
+
+    async def stop(self, drain_seconds: float) -> None:
+        """Stop admitting; let running requests finish within the deadline, cancel the rest."""
+        deadline = time.monotonic() + drain_seconds
+        while self.scheduler.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for req in list(self._requests.values()):
+            self.abort(req.seq.seq_id)
+        # One more iteration ships the releases.
+        for _ in range(100):
+            if not self.scheduler.has_work():
+                break
+            await asyncio.sleep(0.02)
+        self._stopping.set()
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+        await self.directory.close()
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, decoder: TokenDecoder,
+                    cache_salt: str = "", public_prefix_tokens: int = 0) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its chunks arrive on the returned queue (the last has usage)."""
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params,
+                       self.scheduler.config.block_size, cache_salt, public_prefix_tokens)
+        req = _Request(seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic())
+        self._requests[seq.seq_id] = req
+        self.runner.add_sequence(seq.seq_id, params.seed)
+        self.scheduler.add(seq)
+        self._wake.set()
+        return seq.seq_id, req.queue
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request (client went away): its blocks are released next step."""
+        req = self._requests.get(seq_id)
+        if req is None:
+            return
+        self.scheduler.finish(req.seq, "cancelled")
+        self._finish(req, "", stopped=True)
+        self._wake.set()
+
+    @property
+    def is_accepting(self) -> bool:
+        return not self._stopping.is_set()
+
+    # --------------------------------------------------------------------- loop
+
+    async def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.scheduler.has_work() and not self.directory.needs_recovery:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.monotonic()
+            try:
+                progressed = await self._iteration()
+            except Exception:  # noqa: BLE001 - the loop must survive anything a step throws
+                log.exception("engine_step_failed")
+                await asyncio.sleep(0.1)
+                progressed = False
+            self.stats.busy_seconds += time.monotonic() - started
+            if not progressed:
+                # Nothing could run (e.g. every admission deferred): let blocks free up.
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+                except TimeoutError:
+                    pass
+
+    async def _iteration(self) -> bool:
+        if self.directory.needs_recovery:
+            await self._recover()
+        ops = self.scheduler.plan_ops()
+        self.stats.num_steps += 1
+        if ops.must_wait:
+            result = await self._step(ops)
+            if result is None:
+                return False
+            self.scheduler.apply_result(ops, result)
+            chunks = self.scheduler.schedule()
+            if chunks:
+                await self._forward(chunks)
+            return bool(chunks)
+        chunks = self.scheduler.schedule()
+        rpc = None if ops.is_empty else asyncio.create_task(self._step(ops))
+        if chunks:
+            await self._forward(chunks)
+        if rpc is not None:
+            result = await rpc
+            if result is not None:
+                self.scheduler.apply_result(ops, result)
+        return bool(chunks) or not ops.is_empty
+
+    async def _step(self, ops: DirectoryOps) -> DirectoryResult | None:
+        started = time.monotonic()
+        try:
+            return await self.directory.step(ops)
+        except DirectoryUnavailable as exc:
+            log.warning("blockd_step_failed", error=str(exc))
+            self.scheduler.on_step_failed(ops)
+            self.directory.needs_recovery = True
+            return None
+        finally:
+            self.stats.directory_wait_seconds += time.monotonic() - started if ops.must_wait else 0.0
+
+    async def _recover(self) -> None:
+        self.stats.num_recoveries += 1
+        started = time.monotonic()
+        await self.directory.recover(self.scheduler.live_sequences(), self._stopping)
+        self.scheduler.on_resynced()
+        self.stats.directory_wait_seconds += time.monotonic() - started
+
+    async def _forward(self, chunks: list[ScheduledChunk]) -> None:
+        batch = self.runner.prepare(chunks)
+        started = time.monotonic()
+        sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
+        self.stats.forward_seconds += time.monotonic() - started
+        for chunk in chunks:  # counted before on_forward_done appends the new tokens
+            if chunk.seq.num_completion_tokens > 0:
+                self.stats.num_decode_tokens += chunk.num_tokens
+            else:
+                self.stats.num_prefill_tokens += chunk.num_tokens
+        for seq in self.scheduler.on_forward_done(chunks, sampled):
+            self._emit(seq)
+
+    # ------------------------------------------------------------------ outputs
+
+    def _emit(self, seq: Sequence) -> None:
+        req = self._requests.get(seq.seq_id)
+        if req is None:
+            return
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        token = seq.token_ids[-1]
+        text, hit_stop = req.output.push(token)
+        if hit_stop and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            req.queue.put_nowait(GenerationChunk([token], text))
+            self._finish(req, seq.finish_reason or "stop", stopped=hit_stop)
+        else:
+            req.queue.put_nowait(GenerationChunk([token], text))
+
+    def _finish(self, req: _Request, reason: str, stopped: bool) -> None:
+        seq = req.seq
+        self._requests.pop(seq.seq_id, None)
+        self.runner.remove_sequence(seq.seq_id)
+        reason = seq.finish_reason or reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        now = time.monotonic()
+        usage = Usage(
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
+            completion_tokens=seq.num_completion_tokens,
+            time_to_first_token_seconds=(req.first_token_at or now) - req.arrival,
+            total_time_seconds=now - req.arrival,
+            num_preemptions=seq.num_preemptions)
+        tail = req.output.finish(stopped=stopped or reason == "cancelled")
+        req.queue.put_nowait(GenerationChunk([], tail, reason, usage))

@@ -1,0 +1,49 @@
+"""Streaming text for one request: incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class TokenDecoder(Protocol):
+    def push(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class OutputText:
+    """Text emitted so far never contains a stop string and never splits a character.
+
+    While stop strings are set, the last `len(longest stop) - 1` characters are held
+    back: they might be the start of a stop string that the next token completes.
+    """
+
+    def __init__(self, decoder: TokenDecoder, stop: tuple[str, ...]) -> None:
+        self._decoder = decoder
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""
+        self._emitted = 0
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; returns (text to emit now, whether a stop string was hit)."""
+        self._text += self._decoder.push(token_id)
+        if self._stop:
+            search_from = max(0, self._emitted - self._hold)
+            hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
+            if hits:
+                self._text = self._text[:min(hits)]
+                return self._take(len(self._text)), True
+        return self._take(len(self._text) - self._hold), False
+
+    def finish(self, stopped: bool) -> str:
+        """The held-back tail (nothing more when a stop string ended the text)."""
+        if not stopped:
+            self._text += self._decoder.flush()
+        return self._take(len(self._text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        out = self._text[self._emitted:upto]
+        self._emitted = upto
+        return out

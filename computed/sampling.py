@@ -1,0 +1,49 @@
+"""Turn last-position logits into tokens: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from computed.sequence import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits` (N, vocab), float32.
+
+    Greedy rows take the argmax (ties: lowest id, as transformers does). Sampled rows
+    apply temperature, then top-k, then top-p (nucleus) and draw with the row's own
+    generator, so a request with a seed is reproducible whatever it is batched with.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
+    tokens = logits.argmax(dim=-1).tolist()  # (N,)
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.is_greedy:
+            continue
+        tokens[row] = _sample_row(logits[row], p, gen)
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    scaled = logits.float() / p.temperature  # (V,)
+    if 0 < p.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (keeps >= 1 token).
+        drop = probs.cumsum(dim=-1) - probs >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(0, order, sorted_logits)
+    probs = scaled.softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

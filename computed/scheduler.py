@@ -1,0 +1,296 @@
+"""Continuous batching over a paged pool whose blocks blockd hands out (pure: no I/O).
+
+One engine iteration is: `plan_ops()` -> (the engine sends them to blockd as ONE
+`Step`) -> `apply_result()` -> `schedule()` -> forward -> `on_forward_done()`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from computed.directory_ops import (
+    Admit,
+    Commit,
+    DirectoryOps,
+    DirectoryResult,
+    Grow,
+    LiveSequence,
+)
+from computed.sequence import Sequence, SequenceId, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    # Sequences running at once: bounds the decode batch and the blocks held.
+    max_num_seqs: int = 64
+    # Model tokens per step; only uncached tokens are charged (chunked prefill).
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        assert self.block_size >= 1, "block_size must be >= 1"
+        assert self.num_blocks >= 1, "num_blocks must be >= 1"
+        assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
+        assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"
+        assert self.max_model_len >= 2, "max_model_len must be >= 2"
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Feed positions [start, end) of `seq`; write K/V only for positions >= write_from.
+
+    `write_from > start` only when a fully cached prompt recomputes its last position:
+    that K/V already sits in a committed (shared) block and must not be written.
+    """
+
+    seq: Sequence
+    start: int
+    end: int
+    write_from: int
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class Scheduler:
+    """Waiting and running queues, token budget, and preemption by recompute.
+
+    Ordering: running sequences keep admission order; decodes are scheduled before
+    prefill chunks (they cost one token each and users are waiting on them). Waiting
+    sequences are admitted first come, first served; a preempted sequence goes back to
+    the front. When a running sequence needs a block and blockd has none, the most
+    recently admitted sequence is preempted (its blocks released; committed ones stay
+    cached, so its re-admission usually hits them).
+
+    Directory work is collected here and shipped once per step: commits of blocks
+    whose K/V the previous forward finished, releases of finished/preempted
+    sequences, grows (asked one block ahead so decode rarely waits), and admissions.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admitting: dict[SequenceId, Sequence] = {}
+        self._pending_commits: list[Commit] = []
+        self._pending_releases: list[SequenceId] = []
+        # Free + evictable blocks as blockd last reported them (None: unknown yet).
+        self._num_available_blocks: int | None = None
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._admitting or self._pending_commits
+                    or self._pending_releases)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._admitting)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop string, cancellation...): its blocks are released next step."""
+        if seq.is_finished:
+            return
+        was_running = seq.status is SequenceStatus.RUNNING
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if was_running:
+            self.running.remove(seq)
+            self._pending_releases.append(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        # A sequence in `_admitting` is released when its admission result arrives.
+
+    # ------------------------------------------------------------ directory ops
+
+    def plan_ops(self) -> DirectoryOps:
+        """The directory work of this step. Pending commits/releases leave with it."""
+        ops = DirectoryOps(commits=self._pending_commits, releases=self._pending_releases)
+        self._pending_commits, self._pending_releases = [], []
+        for seq in self.running:
+            needed_now, wanted = self._capacity_needs(seq)
+            if seq.capacity < wanted:
+                ops.grows.append(Grow(seq.seq_id, wanted, is_urgent=seq.capacity < needed_now))
+        ops.admits = self._plan_admits(ops)
+        return ops
+
+    def _capacity_needs(self, seq: Sequence) -> tuple[int, int]:
+        """(tokens the table must hold this step, tokens wanted one step ahead)."""
+        # This step writes at most up to the newest token (a fully cached prompt writes
+        # nothing); one slot more lets the next decode run without waiting on blockd.
+        return seq.num_tokens, min(seq.num_tokens + 1, self.config.max_model_len)
+
+    def _plan_admits(self, ops: DirectoryOps) -> list[Admit]:
+        admits: list[Admit] = []
+        budget = self._num_available_blocks
+        if budget is not None:
+            budget -= sum(1 for g in ops.grows)
+        for seq in self.waiting:
+            if len(self.running) + len(admits) >= self.config.max_num_seqs:
+                break
+            blocks = -(-seq.num_tokens // self.config.block_size)
+            # Blocks may come back as cache hits, so this only stops obvious misses;
+            # blockd has the final word (admitted=False changes nothing).
+            if budget is not None and admits and blocks > budget:
+                break
+            admits.append(Admit(seq.seq_id, list(seq.token_ids), seq.cache_salt,
+                                seq.public_prefix_tokens))
+            if budget is not None:
+                budget -= blocks
+        for admit in admits:
+            self._admitting[admit.seq_id] = self.waiting.popleft()
+        return admits
+
+    def apply_result(self, ops: DirectoryOps, result: DirectoryResult) -> None:
+        """Take blockd's answer: admitted sequences start running; failed grows preempt."""
+        if result.num_free_blocks is not None:
+            self._num_available_blocks = result.num_free_blocks + (result.num_evictable_blocks or 0)
+        by_id = {seq.seq_id: seq for seq in self.running}
+        urgent = {g.seq_id for g in ops.grows if g.is_urgent}
+        starved: list[Sequence] = []
+        for outcome in result.grows:
+            seq = by_id.get(outcome.seq_id)
+            if seq is None:
+                continue  # finished or preempted meanwhile; its release covers the blocks
+            if outcome.grown:
+                seq.block_table.extend(outcome.new_block_ids)
+            elif outcome.seq_id in urgent:
+                starved.append(seq)
+        refused: list[Sequence] = []
+        for outcome in result.admits:
+            seq = self._admitting.pop(outcome.seq_id)
+            if seq.is_finished:  # cancelled while blockd was answering
+                if outcome.admitted:
+                    self._pending_releases.append(seq.seq_id)
+                continue
+            if not outcome.admitted:
+                refused.append(seq)
+                continue
+            self._start(seq, outcome.block_ids, outcome.num_cached_tokens)
+        # Refused admissions keep their place at the front, in order.
+        self.waiting.extendleft(reversed(refused))
+        for seq in starved:
+            if seq.status is SequenceStatus.RUNNING:
+                self._preempt_for(seq)
+
+    def on_step_failed(self, ops: DirectoryOps) -> None:
+        """blockd never answered: admissions go back to waiting; resync covers the rest."""
+        returned = [self._admitting.pop(a.seq_id) for a in ops.admits]
+        self.waiting.extendleft(reversed([s for s in returned if not s.is_finished]))
+
+    def live_sequences(self) -> list[LiveSequence]:
+        """Running sequences as blockd must know them after a restart."""
+        return [
+            LiveSequence(seq.seq_id, list(seq.block_table), seq.token_ids[:seq.num_computed_tokens],
+                         seq.cache_salt, seq.public_prefix_tokens)
+            for seq in self.running
+        ]
+
+    def on_resynced(self) -> None:
+        """Resync re-declared every running sequence and committed its written blocks."""
+        self._pending_commits.clear()
+        self._pending_releases.clear()
+        for seq in self.running:
+            seq.num_committed_blocks = seq.num_full_blocks()
+
+    def _start(self, seq: Sequence, block_ids: list[int], num_cached_tokens: int) -> None:
+        assert len(block_ids) * self.config.block_size >= seq.num_tokens, "table must cover prompt"
+        seq.status = SequenceStatus.RUNNING
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = num_cached_tokens
+        seq.num_committed_blocks = num_cached_tokens // self.config.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+        self.running.append(seq)
+
+    def _preempt_for(self, starved: Sequence) -> None:
+        """Free blocks for `starved` by preempting the most recently admitted sequence."""
+        victim = self.running[-1]
+        if victim is starved and len(self.running) == 1:
+            blocks_needed = -(-(starved.num_tokens + 1) // self.config.block_size)
+            if blocks_needed > self.config.num_blocks:
+                self.finish(starved, "length")  # the whole pool cannot hold it
+                return
+        self.running.remove(victim)
+        victim.status = SequenceStatus.WAITING
+        victim.block_table = []
+        victim.num_computed_tokens = 0
+        victim.num_committed_blocks = 0
+        victim.num_preemptions += 1
+        self._pending_releases.append(victim.seq_id)
+        self.waiting.appendleft(victim)
+
+    # ---------------------------------------------------------------- forward
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """This step's forward: decodes first, then prefill chunks within the budget."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_prefilling:
+                continue
+            start = seq.num_tokens - 1
+            if seq.capacity < max(seq.num_computed_tokens, seq.num_tokens):
+                continue  # waiting for a block
+            chunks.append(ScheduledChunk(seq, start, seq.num_tokens, seq.num_computed_tokens, True))
+            budget -= 1
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.is_prefilling:
+                continue
+            start = seq.num_computed_tokens
+            end = min(seq.num_tokens, start + budget)
+            chunks.append(ScheduledChunk(seq, start, end, start, end == seq.num_tokens))
+            budget -= end - start
+        return chunks
+
+    def on_forward_done(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> list[Sequence]:
+        """Record the forward's K/V and sampled tokens; returns sequences that got a token."""
+        grew: list[Sequence] = []
+        for chunk, token in zip(chunks, sampled, strict=True):
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # cancelled while the forward ran; its release is queued
+            seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.end)
+            self._queue_commits(seq)
+            if chunk.sample:
+                assert token is not None, "a sampling chunk must yield a token"
+                seq.token_ids.append(token)
+                grew.append(seq)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+        return grew
+
+    def _queue_commits(self, seq: Sequence) -> None:
+        bs = self.config.block_size
+        first, last = seq.num_committed_blocks, seq.num_full_blocks()
+        if last <= first:
+            return
+        self._pending_commits.append(
+            Commit(seq.seq_id, seq.block_table[first:last], seq.token_ids[first * bs:last * bs]))
+        seq.num_committed_blocks = last
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

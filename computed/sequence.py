@@ -1,0 +1,118 @@
+"""One request's state as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from computed.errors import RequestError
+
+SequenceId = int
+BlockId = int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated per-request sampling settings (temperature 0 means greedy)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
+            raise RequestError("stop: at most 16 non-empty strings of at most 256 characters")
+        if len(self.stop_token_ids) > 256:
+            raise RequestError("stop_token_ids: at most 256 ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not holding blocks: never admitted, or preempted
+    RUNNING = "running"  # holds its block table; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and its completion so far.
+
+    Invariants while RUNNING:
+    - `block_table[i]` holds the K/V of tokens [i*block_size, (i+1)*block_size).
+    - tokens [0, num_computed_tokens) have their K/V written in the pool; the first
+      `num_committed_blocks` blocks are committed (findable, shared, never written).
+    - only blocks at index >= num_committed_blocks are written, and only by this sequence.
+    A preempted sequence drops its table and comes back as WAITING with every token so
+    far as its new prompt; blockd usually hands its committed blocks straight back.
+    """
+
+    seq_id: SequenceId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    cache_salt: str = ""
+    public_prefix_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[BlockId] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_committed_blocks: int = 0
+    # Prompt tokens served from cache at the first admission (what usage reports).
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the current block table can hold."""
+        return len(self.block_table) * self.block_size
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until every token but the newest has its K/V (the newest is fed next)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_full_blocks(self) -> int:
+        """Blocks whose every slot holds written K/V."""
+        return self.num_computed_tokens // self.block_size

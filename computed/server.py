@@ -1,0 +1,170 @@
+"""computed's process: build (model, pool, engine, gRPC server) -> start -> wait -> drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import grpc
+import structlog
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from computed.config import ComputedConfig
+from computed.directory_client import DirectoryClient, PoolSpec
+from computed.engine import Engine
+from computed.kv_pool import KVPool
+from computed.logs import configure_logging
+from computed.model.loader import load_model
+from computed.model.tokenizer import Tokenizer
+from computed.model_runner import ModelRunner
+from computed.scheduler import Scheduler, SchedulerConfig
+from computed.service import GenerationServicer, WorkerInfo, add_generation_service
+from kvcache.v1 import generation_pb2
+
+log = structlog.get_logger("computed.server")
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ComputedServer:
+    """A built but not yet started daemon. start() registers with blockd before SERVING."""
+
+    def __init__(self, config: ComputedConfig, server: grpc.aio.Server, engine: Engine,
+                 health_servicer: health.aio.HealthServicer, address: str) -> None:
+        self.config = config
+        self.server = server
+        self.engine = engine
+        self.health = health_servicer
+        self.address = address
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.engine.start()  # waits for blockd
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.config.ready_file is not None:
+            _write_atomically(self.config.ready_file, self.address)
+        log.info("computed_serving", address=self.address, blockd=self.config.blockd)
+
+    async def stop(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.engine.stop(self.config.drain_seconds)
+        await self.server.stop(grace=2.0)
+        log.info("computed_stopped", **self.engine.stats.finished)
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+def build_server(config: ComputedConfig) -> ComputedServer:
+    device = _pick_device(config.device)
+    dtype = _pick_dtype(config.dtype, device)
+    loaded = load_model(config.model, device, dtype)
+    tokenizer = Tokenizer(config.model)
+    mc = loaded.config
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
+    pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+    log.info("model_loaded", model=loaded.model_id, revision=loaded.revision, arch=mc.architecture,
+             device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+             block_size=config.block_size, max_model_len=max_model_len)
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                                      ("grpc.max_send_message_length", 16 * 1024 * 1024)])
+    address = _bind(server, config)
+    dtype_name = str(dtype).removeprefix("torch.")
+    directory = DirectoryClient(
+        config.blockd,
+        PoolSpec(num_blocks=num_blocks, block_size=config.block_size, model_id=loaded.model_id,
+                 model_revision=loaded.revision, dtype=dtype_name,
+                 worker_address=config.worker_address or address),
+        credentials=_blockd_credentials(config))
+    eos = tuple(dict.fromkeys((*mc.eos_token_ids, *tokenizer.eos_token_ids)))
+    scheduler = Scheduler(SchedulerConfig(block_size=config.block_size, num_blocks=num_blocks,
+                                          max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+                                          max_num_batched_tokens=config.max_num_batched_tokens), eos)
+    engine = Engine(scheduler, ModelRunner(loaded.model, pool, config.block_size, device), directory)
+    info = WorkerInfo(model_id=loaded.model_id, model_revision=loaded.revision, architecture=mc.architecture,
+                      dtype=dtype_name, device=device.type, block_size=config.block_size,
+                      num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=mc.vocab_size,
+                      eos_token_ids=eos, blockd_address=config.blockd)
+    add_generation_service(GenerationServicer(engine, tokenizer, info), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return ComputedServer(config, server, engine, health_servicer, address)
+
+
+async def serve(config: ComputedConfig) -> int:
+    configure_logging(config.log_format)
+    built = build_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(built.start())
+    await asyncio.wait([start, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if start.done() and start.exception() is not None:
+        raise start.exception()
+    await stop.wait()
+    log.info("computed_draining", drain_seconds=config.drain_seconds)
+    start.cancel()
+    await built.stop()
+    return 0
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("computed: --device cuda but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def _size_pool(config: ComputedConfig, mc, dtype: torch.dtype, device: torch.device) -> int:
+    if device.type == "cuda":
+        return KVPool.num_blocks_for_gpu_fraction(config.gpu_memory_utilization, mc.num_layers,
+                                                  config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    return KVPool.num_blocks_for_budget(config.kv_cache_memory_bytes, mc.num_layers, config.block_size,
+                                        mc.num_kv_heads, mc.head_dim, dtype)
+
+
+def _bind(server: grpc.aio.Server, config: ComputedConfig) -> str:
+    if config.tls_cert is not None:
+        client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca else None
+        creds = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+            root_certificates=client_ca, require_client_auth=client_ca is not None)
+        port = server.add_secure_port(config.listen, creds)
+    else:
+        port = server.add_insecure_port(config.listen)
+    if config.listen.startswith("unix:"):
+        return config.listen
+    host = config.listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def _blockd_credentials(config: ComputedConfig) -> grpc.ChannelCredentials | None:
+    if config.blockd_tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=config.blockd_tls_ca.read_bytes(),
+        private_key=config.blockd_tls_key.read_bytes() if config.blockd_tls_key else None,
+        certificate_chain=config.blockd_tls_cert.read_bytes() if config.blockd_tls_cert else None)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
