@@ -13,6 +13,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -25,6 +26,13 @@ from computed.scheduler import ScheduledChunk, Scheduler
 from computed.sequence import SamplingParams, Sequence
 
 log = structlog.get_logger("computed.engine")
+
+
+class EngineObserver(Protocol):
+    """Optional hooks for metrics (histograms); counters live in EngineStats."""
+
+    def on_step(self, seconds: float) -> None: ...
+    def on_first_token(self, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -69,8 +77,10 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, directory: DirectoryClient) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, directory: DirectoryClient,
+                 observer: EngineObserver | None = None) -> None:
         self.scheduler = scheduler
+        self.observer = observer
         self.runner = runner
         self.directory = directory
         self.stats = EngineStats()
@@ -150,7 +160,10 @@ class Engine:
                 log.exception("engine_step_failed")
                 await asyncio.sleep(0.1)
                 progressed = False
-            self.stats.busy_seconds += time.monotonic() - started
+            elapsed = time.monotonic() - started
+            self.stats.busy_seconds += elapsed
+            if self.observer is not None:
+                self.observer.on_step(elapsed)
             if not progressed:
                 # Nothing could run (e.g. every admission deferred): let blocks free up.
                 self._wake.clear()
@@ -223,6 +236,8 @@ class Engine:
             return
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
+            if self.observer is not None:
+                self.observer.on_first_token(req.first_token_at - req.arrival)
         token = seq.token_ids[-1]
         text, hit_stop = req.output.push(token)
         if hit_stop and not seq.is_finished:

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import structlog
 import torch
+from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -17,6 +18,7 @@ from computed.directory_client import DirectoryClient, PoolSpec
 from computed.engine import Engine
 from computed.kv_pool import KVPool
 from computed.logs import configure_logging
+from computed.metrics import Histograms, serve_metrics
 from computed.model.loader import load_model
 from computed.model.tokenizer import Tokenizer
 from computed.model_runner import ModelRunner
@@ -88,7 +90,11 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     scheduler = Scheduler(SchedulerConfig(block_size=config.block_size, num_blocks=num_blocks,
                                           max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                           max_num_batched_tokens=config.max_num_batched_tokens), eos)
-    engine = Engine(scheduler, ModelRunner(loaded.model, pool, config.block_size, device), directory)
+    registry = CollectorRegistry()
+    engine = Engine(scheduler, ModelRunner(loaded.model, pool, config.block_size, device), directory,
+                    Histograms(registry) if config.metrics_port is not None else None)
+    if config.metrics_port is not None:
+        log.info("metrics_serving", port=serve_metrics(engine, config.metrics_port, registry))
     info = WorkerInfo(model_id=loaded.model_id, model_revision=loaded.revision, architecture=mc.architecture,
                       dtype=dtype_name, device=device.type, block_size=config.block_size,
                       num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=mc.vocab_size,
@@ -135,7 +141,7 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def _size_pool(config: ComputedConfig, mc, dtype: torch.dtype, device: torch.device) -> int:
     if device.type == "cuda":
         return KVPool.num_blocks_for_gpu_fraction(config.gpu_memory_utilization, mc.num_layers,
-                                                  config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+                                                  config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
     return KVPool.num_blocks_for_budget(config.kv_cache_memory_bytes, mc.num_layers, config.block_size,
                                         mc.num_kv_heads, mc.head_dim, dtype)
 

@@ -1,0 +1,91 @@
+"""One forward pass over the scheduled chunks, then sampling (runs in the forward thread).
+
+`prepare()` snapshots everything the forward needs on the event-loop thread (the
+scheduler keeps mutating sequences there); `run()` builds tensors, runs the model
+through the paged pool and samples one token per chunk that asked for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from computed.attention import AttentionBatch, SpanInput
+from computed.kv_pool import KVPool
+from computed.sampling import make_generator, sample
+from computed.scheduler import ScheduledChunk
+from computed.sequence import SamplingParams, SequenceId
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    token_ids: list[int]  # (T,) the fed tokens of every chunk, concatenated
+    spans: list[SpanInput]
+    sample_rows: list[int]  # index into token_ids of each sampled position
+    sample_chunks: list[int]  # which chunk each sampled row belongs to
+    params: list[SamplingParams]
+    seq_ids: list[SequenceId]
+    num_chunks: int
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and each sequence's sampling generator."""
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+        self.device = device
+        self._generators: dict[SequenceId, torch.Generator] = {}
+        self._seeds: dict[SequenceId, int | None] = {}
+
+    def add_sequence(self, seq_id: SequenceId, seed: int | None) -> None:
+        self._seeds[seq_id] = seed
+
+    def remove_sequence(self, seq_id: SequenceId) -> None:
+        self._seeds.pop(seq_id, None)
+        self._generators.pop(seq_id, None)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ForwardInput:
+        token_ids: list[int] = []
+        spans: list[SpanInput] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[int] = []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            writes = [p >= chunk.write_from for p in range(chunk.start, chunk.end)]
+            spans.append(SpanInput(block_table=list(seq.block_table), num_computed_tokens=chunk.start,
+                                   num_new_tokens=chunk.num_tokens,
+                                   write_kv=writes[0] if len(set(writes)) == 1 else writes))
+            token_ids.extend(seq.token_ids[chunk.start:chunk.end])
+            if chunk.sample:
+                sample_rows.append(len(token_ids) - 1)
+                sample_chunks.append(i)
+        return ForwardInput(token_ids, spans, sample_rows, sample_chunks,
+                            [chunks[i].seq.params for i in sample_chunks],
+                            [chunks[i].seq.seq_id for i in sample_chunks], len(chunks))
+
+    @torch.inference_mode()
+    def run(self, inp: ForwardInput) -> list[int | None]:
+        """Returns, per chunk, the sampled token or None (a prefill chunk that ends early)."""
+        input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)  # (T,)
+        batch = AttentionBatch.build(inp.spans, self.block_size, self.device)
+        hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
+        out: list[int | None] = [None] * inp.num_chunks
+        if not inp.sample_rows:
+            return out
+        rows = torch.tensor(inp.sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # (S, vocab) float32
+        generators = [self._generator(seq_id, p) for seq_id, p in zip(inp.seq_ids, inp.params)]
+        for chunk_index, token in zip(inp.sample_chunks, sample(logits, inp.params, generators)):
+            out[chunk_index] = token
+        return out
+
+    def _generator(self, seq_id: SequenceId, params: SamplingParams) -> torch.Generator | None:
+        if params.is_greedy:
+            return None
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = self._generators[seq_id] = make_generator(self._seeds.get(seq_id), self.device)
+        return gen

@@ -1,0 +1,219 @@
+"""computed end to end: real blockd + real computed over gRPC, checked against transformers.
+
+Greedy tokens must equal a plain Hugging Face greedy loop on the same weights, whether
+the prefix came from the cache or not.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tests.daemons import start_blockd, start_computed
+from tests.models import make_tiny_model
+
+BLOCK = 4
+
+
+def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_models.get(model_dir)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        _hf_models[model_dir] = model
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+_hf_models: dict = {}
+
+
+class Stack:
+    def __init__(self, blockd, computed, model_dir):
+        self.blockd, self.computed, self.model_dir = blockd, computed, model_dir
+        self.gen = generation_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(computed.address))
+        self.admin = directory_pb2_grpc.DirectoryAdminServiceStub(grpc.insecure_channel(blockd.address))
+
+    def generate(self, tokens: list[int], n: int = 8, **kw) -> tuple[list[int], generation_pb2.Usage]:
+        req = generation_pb2.GenerateRequest(prompt_token_ids=tokens, max_tokens=n, temperature=0.0,
+                                             ignore_eos=True, **kw)
+        out: list[int] = []
+        usage = None
+        for msg in self.gen.Generate(req, timeout=120):
+            out.extend(msg.token_ids)
+            if msg.finish_reason:
+                usage = msg.usage
+        assert usage is not None, "the last message must carry usage"
+        return out, usage
+
+    def stats(self) -> directory_pb2.PoolStats:
+        return self.admin.GetStats(directory_pb2.GetStatsRequest(), timeout=10).total
+
+    def wait_idle(self, timeout: float = 10.0) -> directory_pb2.PoolStats:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats.num_referenced_blocks == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+def _stack(tmp_path_factory, arch: str, *computed_args: str) -> Stack:
+    root = tmp_path_factory.mktemp(f"stack-{arch}")
+    model_dir = make_tiny_model(root / "model", arch)
+    blockd = start_blockd(root)
+    computed = start_computed(root, blockd.address, "--block-size", str(BLOCK), *computed_args,
+                              model=model_dir)
+    return Stack(blockd, computed, model_dir)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def stack(request, tmp_path_factory):
+    s = _stack(tmp_path_factory, request.param, "--num-blocks", "256", "--metrics-port", "0")
+    yield s
+    assert s.computed.stop() == 0, s.computed.log()
+    assert s.blockd.stop() == 0, s.blockd.log()
+
+
+def prompt(seed: int, n: int, vocab: int = 200) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def test_cold_then_warm_equals_reference(stack):
+    p = prompt(1, 4 * BLOCK + 2)
+    cold, u1 = stack.generate(p, 10)
+    warm, u2 = stack.generate(p, 10)
+    assert cold == hf_greedy(stack.model_dir, p, 10)
+    assert warm == cold
+    assert u1.cached_tokens == 0
+    assert u2.cached_tokens == 4 * BLOCK, "every full prompt block must hit the second time"
+    assert (u2.prompt_tokens, u2.completion_tokens) == (len(p), 10)
+
+
+def test_shared_prefix_different_suffix(stack):
+    base = prompt(2, 3 * BLOCK)
+    a, b = base + prompt(3, 5), base + prompt(4, 6)
+    out_a, _ = stack.generate(a, 8)
+    out_b, ub = stack.generate(b, 8)
+    assert ub.cached_tokens == 3 * BLOCK
+    assert out_a == hf_greedy(stack.model_dir, a, 8)
+    assert out_b == hf_greedy(stack.model_dir, b, 8)
+
+
+def test_exact_block_multiple_fully_cached(stack):
+    p = prompt(5, 5 * BLOCK)
+    first, _ = stack.generate(p, 6)
+    second, u = stack.generate(p, 6)
+    assert u.cached_tokens == len(p), "a block-aligned prompt is entirely cached the second time"
+    assert first == second == hf_greedy(stack.model_dir, p, 6)
+
+
+def test_prompt_shorter_than_one_block(stack):
+    p = prompt(6, BLOCK - 1)
+    out, u = stack.generate(p, 7)
+    assert u.cached_tokens == 0
+    assert out == hf_greedy(stack.model_dir, p, 7)
+
+
+def test_mixed_batch_arriving_together(stack):
+    prompts = [prompt(10 + i, n) for i, n in enumerate([3, 9, 17, 4, 25, 12])]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: stack.generate(p, 9)[0], prompts))
+    for p, out in zip(prompts, results):
+        assert out == hf_greedy(stack.model_dir, p, 9)
+
+
+def test_second_identical_prompt_computes_only_uncached_tokens(stack):
+    p = prompt(30, 10 * BLOCK + 3)  # 10 full blocks and a partial tail
+    stack.generate(p, 1)
+    before = _metric(stack, "computed_prefill_tokens_total")
+    _, u = stack.generate(p, 1)
+    after = _metric(stack, "computed_prefill_tokens_total")
+    assert u.cached_tokens == 10 * BLOCK
+    assert after - before == len(p) - 10 * BLOCK, "only the uncached tail may run through the model"
+
+
+def test_no_block_referenced_after_requests(stack):
+    stack.generate(prompt(40, 11), 3)
+    stats = stack.wait_idle()
+    assert stats.num_referenced_blocks == 0
+    assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(), "empty prompt"),
+    (dict(prompt_token_ids=[5, 6], max_tokens=0), "max_tokens"),
+    (dict(prompt_token_ids=[5, 6], temperature=-0.5), "temperature"),
+    (dict(prompt_token_ids=[5] * 5000), "context"),
+    (dict(prompt_token_ids=[10**6]), "out of range"),
+    (dict(prompt="x", prompt_token_ids=[5]), "exactly one"),
+    (dict(prompt_token_ids=[5], top_p=0.0), "top_p"),
+])
+def test_bad_requests_are_invalid_argument(stack, kwargs, fragment):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.gen.Generate(generation_pb2.GenerateRequest(**kwargs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details()
+    out, _ = stack.generate(prompt(50, 6), 2)  # still serving
+    assert len(out) == 2
+
+
+def test_chunked_prefill_matches_reference(tmp_path_factory):
+    s = _stack(tmp_path_factory, "llama", "--num-blocks", "128", "--max-num-batched-tokens", "8")
+    try:
+        p = prompt(60, 45)  # six chunks of at most 8 tokens
+        out, _ = s.generate(p, 8)
+        assert out == hf_greedy(s.model_dir, p, 8)
+        again, u = s.generate(p, 8)
+        assert again == out and u.cached_tokens == 44
+    finally:
+        s.computed.stop()
+        s.blockd.stop()
+
+
+def test_preemption_in_a_tiny_pool_keeps_outputs(tmp_path_factory):
+    # 24 blocks of 4 tokens: four requests of 20 + 24 tokens cannot all fit at once.
+    s = _stack(tmp_path_factory, "llama", "--num-blocks", "24", "--max-num-seqs", "4")
+    try:
+        prompts = [prompt(70 + i, 20) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: s.generate(p, 24), prompts))
+        for p, (out, _) in zip(prompts, results):
+            assert out == hf_greedy(s.model_dir, p, 24)
+        assert sum(u.num_preemptions for _, u in results) > 0, "the pool was meant to force preemption"
+        assert s.wait_idle().num_referenced_blocks == 0
+    finally:
+        s.computed.stop()
+        s.blockd.stop()
+
+
+def _metric(stack: Stack, name: str) -> float:
+    port = _metrics_port(stack)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported:\n{body}")
+
+
+def _metrics_port(stack: Stack) -> int:
+    for line in stack.computed.log().splitlines():
+        if "metrics_serving" in line and '"port"' in line:
+            import json
+
+            return int(json.loads(line)["port"])
+    raise AssertionError("computed did not log its metrics port:\n" + stack.computed.log())
