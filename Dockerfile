@@ -1,0 +1,32 @@
+# One image for both daemons (and kvctl): docker compose picks the command per service.
+#   docker build -t kvcache .
+#   docker build -t kvcache --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 \
+#       --build-arg TORCH_SPEC=torch .        # a CUDA build for GPU hosts
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
+# torch first, in its own layer: it is by far the largest and changes least often.
+RUN pip install "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY kvcache ./kvcache
+COPY blockd ./blockd
+COPY computed ./computed
+COPY clients ./clients
+# Installs the dependencies and the kvctl/blockd/computed scripts. The daemons run
+# as `python -m ...` from /app, so they import this source tree.
+RUN chmod -R a+rX /app \
+    && pip install . \
+    && useradd --system --uid 10001 --home-dir /app kvcache
+
+USER kvcache
+EXPOSE 50051 50052
+# Overridden per service in docker-compose.yml.
+CMD ["python", "-m", "blockd", "--listen", "0.0.0.0:50051"]

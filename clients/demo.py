@@ -1,0 +1,184 @@
+"""`make demo`: start the stack on the built-in model and watch the prefix cache work.
+
+Sends a workload of chat requests that share one system prompt and ask different
+questions, one after another. The first request computes the system prompt's K/V;
+every later one finds its full blocks in the cache, so its prefill (and its time to
+first token) covers only the question. A last request after a flush shows the cold
+cost again. The stack is stopped at the end, also on errors and Ctrl-C (--keep
+leaves it running; a stack that was already running is reused and left alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from clients.client import KVCacheClient
+from clients.errors import KVCacheError
+from clients.options import ClientOptions
+from clients.render import percent, preview_text
+from clients.stack import Stack, StackError
+from clients.types import ChatMessage, Completion
+
+SYSTEM_PROMPT = (
+    "You are the support assistant of Northwind Cloud, a company that rents GPU servers by the hour. "
+    "Answer in one or two short sentences, politely and precisely. Plans: Starter (one GPU, 24 GB), "
+    "Team (four GPUs, 80 GB each, shared storage) and Enterprise (dedicated racks, private network). "
+    "Billing is per second with a one-minute minimum; invoices go out on the first day of the month. "
+    "Support answers within one hour on Team and within ten minutes on Enterprise. Never invent prices."
+)
+
+QUESTIONS = (
+    "How is usage billed?",
+    "Which plan has dedicated racks?",
+    "How fast does support answer on the Team plan?",
+    "When are invoices sent?",
+    "How much memory does the Starter GPU have?",
+    "Can several people share storage?",
+    "Is there a minimum billing time?",
+    "What does the Enterprise plan include?",
+    "How many GPUs come with the Team plan?",
+    "Do you offer a private network?",
+    "What is the fastest support response time?",
+    "Which plan should a solo researcher pick?",
+    "Is billing per hour or per second?",
+    "Where can I see my invoice?",
+    "What GPU memory does the Team plan offer?",
+    "Can I upgrade from Starter to Team?",
+)
+
+
+def build_messages(question: str) -> list[ChatMessage]:
+    return [ChatMessage("system", SYSTEM_PROMPT), ChatMessage("user", question)]
+
+
+def run_workload(client: KVCacheClient, questions: Sequence[str], max_tokens: int,
+                 console: Console) -> list[tuple[str, Completion]]:
+    """Sends the questions one by one, showing a live table and a progress bar."""
+    table = _results_table()
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console)
+    task = progress.add_task("requests", total=len(questions))
+    results = []
+    with Live(Group(table, progress), console=console, refresh_per_second=8):
+        for i, question in enumerate(questions, start=1):
+            completion = client.complete(messages=build_messages(question), max_tokens=max_tokens)
+            results.append((question, completion))
+            _add_row(table, str(i), question, completion)
+            progress.advance(task)
+    if not console.is_terminal:
+        console.line()  # a live display that never animated ends mid-line
+    return results
+
+
+def _results_table() -> Table:
+    table = Table(title="shared system prompt, different questions", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right", no_wrap=True, min_width=2)
+    table.add_column("question", no_wrap=True, overflow="ellipsis", min_width=12, max_width=24)
+    for name, width in (("prompt", 6), ("cached", 6), ("hit", 6), ("TTFT ms", 7)):
+        table.add_column(name, justify="right", no_wrap=True, min_width=width)
+    table.add_column("answer", no_wrap=True, overflow="ellipsis", min_width=8, max_width=14)
+    return table
+
+
+def _add_row(table: Table, label: str, question: str, completion: Completion) -> None:
+    u = completion.usage
+    style = "green" if u.cached_tokens else "yellow"
+    table.add_row(label, Text(question), str(u.prompt_tokens), Text(str(u.cached_tokens), style=style),
+                  percent(u.cached_tokens, u.prompt_tokens), f"{1000 * u.time_to_first_token_seconds:.1f}",
+                  Text(preview_text(completion.text, 36)))
+
+
+def summarize(results: list[tuple[str, Completion]], console: Console) -> None:
+    usages = [c.usage for _, c in results]
+    prompt = sum(u.prompt_tokens for u in usages)
+    cached = sum(u.cached_tokens for u in usages)
+    console.print(f"[bold]overall hit rate:[/] {cached} of {prompt} prompt tokens served from cache "
+                  f"([bold green]{percent(cached, prompt)}[/])")
+    if len(usages) > 1:
+        cold = usages[0].time_to_first_token_seconds
+        warm = sorted(u.time_to_first_token_seconds for u in usages[1:])[len(usages[1:]) // 2]
+        console.print(f"TTFT: first (cold) request {1000 * cold:.1f} ms, median of the rest "
+                      f"{1000 * warm:.1f} ms")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m clients.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, default=Path("run"))
+    parser.add_argument("--blockd", default="127.0.0.1:50051")
+    parser.add_argument("--computed", action="append", default=None, help="repeat for several workers")
+    parser.add_argument("--model", help="model directory (default: computed's built-in model)")
+    parser.add_argument("--requests", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1),
+                        metavar=f"1..{len(QUESTIONS)}")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C
+    stack = Stack(args.run_dir)
+    started = False
+    try:
+        addresses = stack.addresses()
+        if "blockd" in addresses:
+            console.print(f"using the stack already running from {args.run_dir}")
+        else:
+            with console.status("starting blockd and computed (loading the model)..."):
+                stack.up(args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model)
+            started = True
+            addresses = stack.addresses()
+        computed = [a for name, a in sorted(addresses.items()) if name != "blockd"]
+        token = os.environ.get("KVCACHE_ADMIN_TOKEN") or os.environ.get("BLOCKD_ADMIN_TOKEN")
+        options = ClientOptions(admin_token=token or None)
+        with KVCacheClient(addresses["blockd"], computed, options=options) as client:
+            info = client.computed().model_info()
+            console.print(f"model [bold]{info.model_id}[/] ({info.architecture}, {info.dtype} on {info.device}), "
+                          f"block size {info.block_size}, {info.num_blocks} blocks; workers: {', '.join(computed)}")
+            if info.model_id == "default_model":
+                console.print("(the built-in model is tiny and writes Python-like text: its answers are noise; "
+                              "the point here is the cache)", style="dim")
+            results = run_workload(client, QUESTIONS[: args.requests], args.max_tokens, console)
+            summarize(results, console)
+            flushed = client.blockd.flush()
+            again = client.complete(messages=build_messages(QUESTIONS[0]), max_tokens=args.max_tokens)
+            console.print(f"after `kvctl flush` ({flushed.dropped} blocks dropped, {flushed.busy} busy) "
+                          f"the first question again: cached {again.usage.cached_tokens} tokens, TTFT "
+                          f"{1000 * again.usage.time_to_first_token_seconds:.1f} ms")
+            stats = client.blockd.get_stats().total
+            console.print(f"blockd counts {stats.hit_tokens} of {stats.queried_tokens} admitted prompt tokens "
+                          f"as hits ({percent(stats.hit_tokens, stats.queried_tokens)}); try "
+                          f"`make up` then `kvctl tree`")
+        return 0
+    except (StackError, KVCacheError) as error:
+        console.print(f"error: {error}", markup=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+    finally:
+        if started and not args.keep:
+            with console.status("stopping the stack..."):
+                stack.down()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

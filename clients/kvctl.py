@@ -1,0 +1,420 @@
+"""kvctl: generate against, inspect and flush the prefix cache from a shell.
+
+Human output is rich tables; `--json` (global or per command) prints stable keys
+for scripts. A failed call prints one line, "error: ...", and exits non-zero:
+1 the daemon refused the request, 2 bad usage, 3 a daemon is unreachable or too
+slow, 4 the admin token is missing or wrong, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property, update_wrapper
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from clients import render
+from clients.client import DEFAULT_BLOCKD, DEFAULT_COMPUTED, KVCacheClient
+from clients.errors import KVCacheError
+from clients.options import ClientOptions, TlsOptions
+from clients.prefix_tree import build_prefix_forest
+from clients.requests import Prompt, SamplingParams
+from clients.routing import ROUTING_MODES
+from clients.types import BlockInfo, Completion, to_dict
+
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+_AUTH_HINT = "; pass --admin-token or set KVCACHE_ADMIN_TOKEN"
+
+
+@dataclass(frozen=True)
+class Settings:
+    blockd: str
+    computed: tuple[str, ...]
+    routing: str
+    options: ClientOptions
+    as_json: bool
+
+
+class Session:
+    """What every command gets: the settings, a lazily opened client and the consoles."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.out = Console(highlight=False, soft_wrap=False)
+        self.err = Console(stderr=True, highlight=False)
+
+    @cached_property
+    def client(self) -> KVCacheClient:
+        s = self.settings
+        return KVCacheClient(s.blockd, s.computed, routing=s.routing, options=s.options)
+
+    def close(self) -> None:
+        if "client" in self.__dict__:
+            self.client.close()
+
+    def emit_json(self, value: Any) -> None:
+        click.echo(json.dumps(value, indent=2, sort_keys=False))
+
+    def progress(self) -> Progress:
+        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        console=self.err, transient=True, disable=not self.err.is_terminal)
+
+
+class KvctlGroup(click.Group):
+    """Turns client failures into one-line errors and exit codes instead of tracebacks."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KVCacheError as error:
+            hint = _AUTH_HINT if error.is_auth else ""
+            code = EXIT_AUTH if error.is_auth else EXIT_UNREACHABLE if error.is_unreachable else EXIT_REFUSED
+            click.echo(f"error: {error}{hint}", err=True)
+            ctx.exit(code)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:  # `kvctl blocks | head`: the reader left; end quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(0)
+
+
+def _split_addresses(values: Sequence[str]) -> tuple[str, ...]:
+    return tuple(a.strip() for v in values for a in v.replace(" ", ",").split(",") if a.strip())
+
+
+def parse_token_ids(value: str) -> list[int]:
+    try:
+        token_ids = [int(t) for t in value.replace(" ", ",").split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token ids, got {value!r}") from None
+    if not token_ids or any(t < 0 for t in token_ids):
+        raise click.BadParameter("expected one or more token ids >= 0")
+    return token_ids
+
+
+@click.group(cls=KvctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--blockd", envvar="KVCACHE_BLOCKD", default=DEFAULT_BLOCKD, show_default=True,
+              help="blockd address (env KVCACHE_BLOCKD).")
+@click.option("--computed", envvar="KVCACHE_COMPUTED", multiple=True,
+              help=f"computed address; repeat or comma-separate for several (env KVCACHE_COMPUTED). "
+                   f"[default: {DEFAULT_COMPUTED}]")
+@click.option("--admin-token", envvar="KVCACHE_ADMIN_TOKEN", default=None,
+              help="blockd admin token (env KVCACHE_ADMIN_TOKEN).")
+@click.option("--timeout", envvar="KVCACHE_TIMEOUT", type=click.FloatRange(min=0.001), default=None,
+              help="Deadline of each call in seconds, retries included [default: 30; generate: 600 "
+                   "for the whole stream].")
+@click.option("--routing", type=click.Choice(ROUTING_MODES), default="cache-aware", show_default=True,
+              help="How to pick among several computed addresses.")
+@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="KVCACHE_TLS_CA",
+              help="Use TLS, trusting this CA certificate (PEM).")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              envvar="KVCACHE_TLS_CERT", help="Client certificate for mutual TLS (PEM).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              envvar="KVCACHE_TLS_KEY", help="Client key for mutual TLS (PEM).")
+@click.option("--tls-server-name", envvar="KVCACHE_TLS_SERVER_NAME",
+              help="Name to check the server certificate against.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def cli(ctx: click.Context, blockd: str, computed: tuple[str, ...], admin_token: str | None, timeout: float | None,
+        routing: str, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
+        tls_server_name: str | None, as_json: bool) -> None:
+    """Inspect, flush and use the prefix-caching KV block service."""
+    tls = None
+    if tls_ca or tls_cert or tls_key or tls_server_name:
+        try:
+            tls = TlsOptions(tls_ca, tls_cert, tls_key, tls_server_name)
+        except ValueError as error:
+            raise click.UsageError(str(error)) from None
+    deadlines = {"timeout": timeout, "generate_timeout": timeout} if timeout is not None else {}
+    options = ClientOptions(tls=tls, admin_token=admin_token or None, **deadlines)
+    settings = Settings(blockd, _split_addresses(computed) or (DEFAULT_COMPUTED,), routing, options, as_json)
+    session = Session(settings)
+    ctx.obj = session
+    ctx.call_on_close(session.close)
+
+
+def command(*args: Any, **kwargs: Any) -> Callable:
+    """A kvctl subcommand that also accepts --json after its name and gets the Session."""
+
+    def decorate(f: Callable) -> click.Command:
+        def wrapper(as_json: bool, **params: Any) -> Any:
+            session = click.get_current_context().find_object(Session)
+            assert session is not None, "kvctl commands run under the cli group"
+            return f(session, session.settings.as_json or as_json, **params)
+
+        update_wrapper(wrapper, f)  # carries f's click params over
+        wrapper = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(wrapper)
+        return cli.command(*args, **kwargs)(wrapper)
+
+    return decorate
+
+
+def _prompt_options(f: Callable) -> Callable:
+    for option in reversed([
+        click.argument("text", required=False),
+        click.option("--tokens", "token_text", help="Token ids instead of text, e.g. 1,2,3."),
+        click.option("--system", help="System message: TEXT becomes the user message of a chat."),
+        click.option("--chat", is_flag=True, help="Render TEXT as a user chat message."),
+        click.option("--salt", default="", help="Cache salt (tenant isolation)."),
+        click.option("--public-prefix-tokens", type=click.IntRange(min=0), default=0,
+                     help="Leading tokens shared by every salt."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _prompt(text: str | None, token_text: str | None, system: str | None, chat: bool, salt: str,
+            public_prefix_tokens: int) -> Prompt:
+    if (text is None) == (token_text is None):
+        raise click.UsageError("give TEXT or --tokens (one of them)")
+    if token_text is not None:
+        return Prompt.of(token_ids=parse_token_ids(token_text), cache_salt=salt,
+                         public_prefix_tokens=public_prefix_tokens)
+    if text == "-":
+        text = sys.stdin.read()
+    if system is not None or chat:
+        messages = ([("system", system)] if system is not None else []) + [("user", text)]
+        return Prompt.of(messages=messages, cache_salt=salt, public_prefix_tokens=public_prefix_tokens)
+    return Prompt.of(text, cache_salt=salt, public_prefix_tokens=public_prefix_tokens)
+
+
+# ---------------------------------------------------------------- generation
+
+
+@command("generate")
+@_prompt_options
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--seed", type=click.IntRange(min=0), default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True)
+def generate(session: Session, as_json: bool, text: str | None, token_text: str | None, system: str | None,
+             chat: bool, salt: str, public_prefix_tokens: int, max_tokens: int, temperature: float,
+             top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
+             ignore_eos: bool) -> None:
+    """Generate from TEXT ("-" reads stdin), streaming the text; cached tokens and TTFT at the end."""
+    prompt = _prompt(text, token_text, system, chat, salt, public_prefix_tokens)
+    params = SamplingParams.of(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               seed=seed, stop=stop, ignore_eos=ignore_eos)
+    stream = session.client.generate_prompt(prompt, params)
+    chunks = []
+    try:
+        for chunk in stream:
+            chunks.append(chunk)
+            if not as_json and chunk.text:
+                click.echo(chunk.text, nl=False)
+    except KeyboardInterrupt:
+        stream.cancel()
+        raise
+    completion = Completion.from_chunks(chunks, stream.worker_address)
+    if as_json:
+        session.emit_json(completion.to_dict())
+        return
+    click.echo()
+    session.err.print(render.usage_line(completion), soft_wrap=True)
+
+
+@command("route")
+@_prompt_options
+def route(session: Session, as_json: bool, **prompt_args: Any) -> None:
+    """Which computed holds the longest cached prefix of TEXT (blockd's RoutingService)."""
+    prompt = _prompt(**prompt_args)
+    token_ids = session.client.tokenize_prompt(prompt)
+    answer = session.client.blockd.route(token_ids, cache_salt=prompt.cache_salt,
+                                         public_prefix_tokens=prompt.public_prefix_tokens)
+    if as_json:
+        session.emit_json({"num_tokens": len(token_ids), **to_dict(answer)})
+        return
+    where = answer.worker_address or "no live pool"
+    session.out.print(f"route: {where} ({answer.num_cached_tokens} of {len(token_ids)} tokens cached)")
+    session.out.print(render.lookup_table(answer.candidates, len(token_ids)))
+
+
+@command("info")
+def info(session: Session, as_json: bool) -> None:
+    """Model and pool of each computed."""
+    infos = {a: session.client.computed(a).model_info() for a in session.client.computed_addresses}
+    if as_json:
+        session.emit_json({"workers": [{"address": a, **to_dict(i)} for a, i in infos.items()]})
+        return
+    for address, model in infos.items():
+        session.out.print(f"[bold]{address}[/]")
+        for key, value in to_dict(model).items():
+            session.out.print(f"  {key:<20} {value}", markup=False)
+
+
+# ---------------------------------------------------------------- operators
+
+
+@command("stats")
+@click.option("--pool", help="One pool instead of all.")
+def stats(session: Session, as_json: bool, pool: str | None) -> None:
+    """Block and prefix-cache counters (totals and per pool)."""
+    result = session.client.blockd.get_stats(pool)
+    if as_json:
+        session.emit_json({**to_dict(result.total), "hit_rate": result.total.hit_rate,
+                           "last_event_sequence": result.last_event_sequence,
+                           "pools": [to_dict(p) for p in result.pools]})
+        return
+    session.out.print(render.stats_table(result))
+
+
+@command("pools")
+def pools(session: Session, as_json: bool) -> None:
+    """Registered pools: worker, namespace, lease and counters."""
+    result = session.client.blockd.list_pools()
+    if as_json:
+        session.emit_json({"pools": [to_dict(p) for p in result]})
+        return
+    session.out.print(render.pools_table(result))
+
+
+def _fetch_blocks(session: Session, pool: str | None) -> list[BlockInfo]:
+    blockd = session.client.blockd
+    total = blockd.get_stats(pool).total.num_cached_blocks
+    blocks = []
+    with session.progress() as progress:
+        task = progress.add_task("ListBlocks", total=total or None)
+        for block in blockd.iter_blocks(pool):
+            blocks.append(block)
+            progress.advance(task)
+    return blocks
+
+
+@command("blocks")
+@click.option("--pool", help="One pool instead of all.")
+@click.option("--limit", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Rows in the table (0: all); --json always lists all.")
+def blocks(session: Session, as_json: bool, pool: str | None, limit: int) -> None:
+    """Cached blocks with hashes, parents, references and tokens."""
+    result = _fetch_blocks(session, pool)
+    if as_json:
+        session.emit_json({"blocks": [to_dict(b) for b in result]})
+        return
+    shown = result[:limit] if limit else result
+    session.out.print(render.blocks_table(shown, len(result)))
+
+
+@command("tree")
+@click.option("--pool", help="One pool instead of all.")
+@click.option("--token-ids", "show_ids", is_flag=True, help="Show token ids, do not decode.")
+def tree(session: Session, as_json: bool, pool: str | None, show_ids: bool) -> None:
+    """Cached prefixes as a tree (parent links), runs decoded to text via computed."""
+    forest = build_prefix_forest(_fetch_blocks(session, pool))
+    if not show_ids:
+        _decode_runs(session, forest)
+    if as_json:
+        session.emit_json({"pools": [{"pool_id": p, "roots": [n.to_dict() for n in roots]}
+                                     for p, roots in forest.items()]})
+        return
+    sizes = {p.pool_id: p.block_size for p in session.client.blockd.list_pools()}
+    session.out.print(render.prefix_tree(forest, sizes))
+
+
+def _decode_runs(session: Session, forest: dict) -> None:
+    """Fills node.text via Detokenize; leaves token ids when no computed answers."""
+    computed = session.client.computed()
+    nodes = [n for roots in forest.values() for root in roots for n in root.walk()]
+    try:
+        for node in nodes:
+            node.text = computed.detokenize(node.token_ids)
+    except KVCacheError as error:
+        if not error.is_unreachable:
+            raise
+        for node in nodes:
+            node.text = None
+        session.err.print(f"note: showing token ids; {error}", markup=False)
+
+
+@command("lookup")
+@_prompt_options
+@click.option("--pool", help="One pool instead of all.")
+def lookup(session: Session, as_json: bool, pool: str | None, **prompt_args: Any) -> None:
+    """How many leading tokens of TEXT (or --tokens) each pool has cached."""
+    prompt = _prompt(**prompt_args)
+    token_ids = session.client.tokenize_prompt(prompt)
+    matches = session.client.blockd.lookup(token_ids, cache_salt=prompt.cache_salt,
+                                           public_prefix_tokens=prompt.public_prefix_tokens, pool_id=pool)
+    if as_json:
+        session.emit_json({"num_tokens": len(token_ids), "matches": [to_dict(m) for m in matches]})
+        return
+    session.out.print(render.lookup_table(matches, len(token_ids)))
+
+
+@command("flush")
+@click.option("--pool", help="Only this pool.")
+@click.option("--salt", help="Only blocks whose chain carries this cache salt.")
+def flush(session: Session, as_json: bool, pool: str | None, salt: str | None) -> None:
+    """Drop every unreferenced cached block; referenced ones are reported busy."""
+    result = session.client.blockd.flush(pool_id=pool, cache_salt=salt)
+    if as_json:
+        session.emit_json(to_dict(result))
+        return
+    session.out.print(f"flushed: dropped {result.dropped} cached block(s); "
+                      f"{result.busy} busy (still referenced, left in place)")
+
+
+@command("pin")
+@_prompt_options
+@click.option("--ttl", type=click.FloatRange(min=0, max=30 * 86400), default=3600.0, show_default=True,
+              help="Seconds the pin lasts.")
+@click.option("--pool", help="Only this pool.")
+def pin(session: Session, as_json: bool, ttl: float, pool: str | None, **prompt_args: Any) -> None:
+    """Keep the cached prefix of TEXT (or --tokens) from eviction for --ttl seconds."""
+    prompt = _prompt(**prompt_args)
+    token_ids = session.client.tokenize_prompt(prompt)
+    result = session.client.blockd.pin(token_ids, cache_salt=prompt.cache_salt,
+                                       public_prefix_tokens=prompt.public_prefix_tokens,
+                                       ttl_seconds=ttl, pool_id=pool)
+    if as_json:
+        session.emit_json(to_dict(result))
+        return
+    session.out.print(render.pin_text(result))
+
+
+@command("unpin")
+@click.argument("pin_id")
+def unpin(session: Session, as_json: bool, pin_id: str) -> None:
+    """Release a pin made by `kvctl pin`."""
+    num_unpinned = session.client.blockd.unpin(pin_id)
+    if as_json:
+        session.emit_json({"pin_id": pin_id, "num_unpinned_blocks": num_unpinned})
+        return
+    session.out.print(f"unpinned {num_unpinned} block(s)")
+
+
+@command("watch")
+@click.option("--pool", help="Only this pool.")
+@click.option("--after", "after_sequence", type=click.IntRange(min=0), default=0,
+              help="Start after this event sequence number (0: oldest retained).")
+def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int) -> None:
+    """Print block events (stored / removed / cleared / gap) as they happen; Ctrl-C stops."""
+    try:
+        for event in session.client.blockd.watch_events(after_sequence, pool_id=pool):
+            if as_json:
+                click.echo(json.dumps(to_dict(event)))
+            else:
+                session.out.print(f"#{event.sequence} {event.kind:<7} pool {event.pool_id} "
+                                  f"blocks {list(event.block_ids)}", markup=False)
+    except KeyboardInterrupt:  # the normal way to stop watching
+        return
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cli.main(args=list(argv) if argv is not None else None, prog_name="kvctl")
+
+
+if __name__ == "__main__":
+    main()

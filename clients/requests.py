@@ -1,0 +1,96 @@
+"""Building GenerateRequest messages, shared by the sync and the asyncio client."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clients.types import ChatMessage
+from kvcache.v1 import generation_pb2
+
+MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Generation knobs; None means "the server's default" (max_tokens 64, greedy, top_p 1)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, **sampling: Any) -> SamplingParams:
+        """stop / stop_token_ids may be one value or any sequence (stored as tuples)."""
+        for name in ("stop", "stop_token_ids"):
+            value = sampling.get(name)
+            if value is not None:
+                sampling[name] = (value,) if isinstance(value, (str, int)) else tuple(value)
+        return cls(**sampling)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of text, token_ids or messages, plus the cache scope (salt, public prefix)."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    cache_salt: str = ""
+    public_prefix_tokens: int = 0
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.text, self.token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt text, token_ids or messages")
+        if self.public_prefix_tokens < 0:
+            raise ValueError("public_prefix_tokens must be >= 0")
+
+    @classmethod
+    def of(cls, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+           messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
+           public_prefix_tokens: int = 0, request_id: str = "") -> Prompt:
+        return cls(
+            text=prompt,
+            token_ids=tuple(int(t) for t in token_ids) if token_ids is not None else None,
+            messages=tuple(ChatMessage.coerce(m) for m in messages) if messages is not None else None,
+            cache_salt=cache_salt,
+            public_prefix_tokens=public_prefix_tokens,
+            request_id=request_id,
+        )
+
+    def to_request(self, params: SamplingParams) -> generation_pb2.GenerateRequest:
+        request = generation_pb2.GenerateRequest(
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            cache_salt=self.cache_salt,
+            public_prefix_tokens=self.public_prefix_tokens,
+            request_id=self.request_id,
+        )
+        if self.text is not None:
+            request.prompt = self.text
+        elif self.token_ids is not None:
+            request.prompt_token_ids.extend(self.token_ids)
+        else:
+            assert self.messages is not None
+            request.messages.extend(m.to_proto() for m in self.messages)
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            value = getattr(params, name)
+            if value is not None:
+                setattr(request, name, value)
+        return request
+
+    def to_tokenize_request(self) -> generation_pb2.TokenizeRequest:
+        """The Tokenize call that yields the token ids Generate will see (for routing)."""
+        assert self.token_ids is None, "token ids need no tokenizing"
+        if self.messages is not None:
+            return generation_pb2.TokenizeRequest(messages=[m.to_proto() for m in self.messages])
+        return generation_pb2.TokenizeRequest(text=self.text, add_special_tokens=True)

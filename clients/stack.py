@@ -1,0 +1,320 @@
+"""Local runner: blockd plus one or more computed as detached processes.
+
+    python -m clients.stack up --run-dir run --blockd 127.0.0.1:50051 --computed 127.0.0.1:50052
+    python -m clients.stack status --run-dir run
+    python -m clients.stack down --run-dir run
+
+Each daemon gets `<name>.log`, `<name>.pid` and `<name>.ready` (the bound address,
+written by the daemon once it serves) in the run folder. `up` starts blockd, waits
+for grpc health SERVING, then starts the computed daemons and waits for them; on a
+failure or timeout it prints the log tail and stops what it started. `down` stops
+the computed daemons first (they release their sequences to blockd), then blockd:
+SIGTERM, and SIGKILL after the grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from clients.healthcheck import health_status
+
+REPO = Path(__file__).resolve().parent.parent
+_LOG_TAIL_LINES = 40
+
+
+class StackError(RuntimeError):
+    """The stack could not be started or stopped; the message says why (with a log tail)."""
+
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    """One process of the stack. name: file stem in the run dir ("blockd", "computed", "computed2")."""
+
+    name: str
+    module: str
+    listen: str
+    args: tuple[str, ...] = ()
+
+    def command(self, ready_file: Path) -> list[str]:
+        return [sys.executable, "-m", self.module, "--listen", self.listen, "--ready-file", str(ready_file),
+                *self.args]
+
+
+@dataclass(frozen=True)
+class DaemonState:
+    name: str
+    pid: int | None
+    is_running: bool
+    address: str | None
+    health: str
+    log_path: Path
+
+
+class Stack:
+    """The daemons of one run folder. Safe to call `down` from any process, not only the starter."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        self.run_dir = Path(run_dir)
+        self._children: dict[int, subprocess.Popen] = {}  # processes this object started
+
+    # -------------------------------------------------------------- public API
+
+    def up(self, blockd: str, computed: Sequence[str], *, model: str | None = None,
+           admin_token: str | None = None, blockd_args: Sequence[str] = (),
+           computed_args: Sequence[str] = (), timeout: float = 300.0) -> list[DaemonState]:
+        """Start blockd, then each computed; returns their states once all are SERVING."""
+        if not computed:
+            raise StackError("need at least one --computed address")
+        running = [s.name for s in self.status() if s.is_running]
+        if running:
+            raise StackError(f"{', '.join(running)} already running from {self.run_dir}; "
+                             f"run `python -m clients.stack down --run-dir {self.run_dir}` first")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        started: list[DaemonSpec] = []
+        try:
+            token_args = ("--admin-token", admin_token) if admin_token else ()
+            blockd_spec = DaemonSpec("blockd", "blockd", blockd, (*token_args, *blockd_args))
+            self._start(blockd_spec)
+            started.append(blockd_spec)
+            blockd_address = self._wait_serving(blockd_spec, timeout)
+            model_args = ("--model", model) if model else ()
+            specs = [DaemonSpec(_computed_name(i), "computed", address,
+                                ("--blockd", blockd_address, *model_args, *computed_args))
+                     for i, address in enumerate(computed)]
+            for spec in specs:
+                self._start(spec)
+                started.append(spec)
+            for spec in specs:
+                self._wait_serving(spec, timeout)
+        except BaseException:
+            self._stop([s.name for s in reversed(started)], grace=10.0)
+            raise
+        return self.status()
+
+    def down(self, grace: float = 20.0) -> list[str]:
+        """Stop every daemon of the run folder, computed first; returns the names stopped."""
+        names = sorted((p.stem for p in self.run_dir.glob("*.pid")), key=lambda n: (n == "blockd", n))
+        return self._stop(names, grace)
+
+    def status(self) -> list[DaemonState]:
+        states = []
+        for pid_file in sorted(self.run_dir.glob("*.pid"), key=lambda p: (p.stem != "blockd", p.stem)):
+            name = pid_file.stem
+            pid = _read_int(pid_file)
+            is_running = pid is not None and self._is_ours(pid, name)
+            address = _read_text(self.run_dir / f"{name}.ready")
+            health = health_status(address, timeout=1.0) if is_running and address else "-"
+            states.append(DaemonState(name, pid, is_running, address, health, self.run_dir / f"{name}.log"))
+        return states
+
+    def addresses(self) -> dict[str, str]:
+        """name -> bound address of the daemons that are running."""
+        return {s.name: s.address for s in self.status() if s.is_running and s.address}
+
+    # -------------------------------------------------------------- processes
+
+    def _start(self, spec: DaemonSpec) -> None:
+        ready = self.run_dir / f"{spec.name}.ready"
+        ready.unlink(missing_ok=True)
+        log_path = self.run_dir / f"{spec.name}.log"
+        command = spec.command(ready)
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    start_new_session=True)  # detached: survives this process
+        with open(log_path, "a") as log:
+            log.write(f"=== pid {proc.pid}\n")
+        self._children[proc.pid] = proc
+        (self.run_dir / f"{spec.name}.pid").write_text(f"{proc.pid}\n")
+
+    def _wait_serving(self, spec: DaemonSpec, timeout: float) -> str:
+        """Waits for the ready file and health SERVING; returns the bound address."""
+        pid = _read_int(self.run_dir / f"{spec.name}.pid")
+        assert pid is not None, f"{spec.name} has no pid file"
+        ready = self.run_dir / f"{spec.name}.ready"
+        deadline = time.monotonic() + timeout
+        health = "no ready file yet"
+        while time.monotonic() < deadline:
+            if not self._is_alive(pid):
+                raise StackError(f"{spec.name} exited during start-up:\n{self._log_tail(spec.name)}")
+            address = _read_text(ready)
+            if address:
+                health = health_status(address, timeout=1.0)
+                if health == "SERVING":
+                    return address
+            time.sleep(0.1)
+        raise StackError(f"{spec.name} not SERVING after {timeout:.0f}s ({health}):\n"
+                         f"{self._log_tail(spec.name)}")
+
+    def _stop(self, names: Sequence[str], grace: float) -> list[str]:
+        stopped = []
+        for name in names:
+            pid_file = self.run_dir / f"{name}.pid"
+            pid = _read_int(pid_file)
+            if pid is not None and self._is_ours(pid, name):
+                _signal(pid, signal.SIGTERM)
+                if not self._wait_gone(pid, grace):
+                    _signal(pid, signal.SIGKILL)
+                    self._wait_gone(pid, 10.0)
+                stopped.append(name)
+            pid_file.unlink(missing_ok=True)
+            (self.run_dir / f"{name}.ready").unlink(missing_ok=True)
+        return stopped
+
+    def _is_alive(self, pid: int) -> bool:
+        child = self._children.get(pid)
+        if child is not None:
+            return child.poll() is None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return _proc_state(pid) != "Z"
+
+    def _is_ours(self, pid: int, name: str) -> bool:
+        """Alive and still the daemon we started (a recycled pid runs something else)."""
+        if not self._is_alive(pid):
+            return False
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        if not cmdline.exists():  # no /proc (macOS): trust the pid file
+            return True
+        module = "blockd" if name == "blockd" else "computed"
+        args = cmdline.read_bytes().split(b"\0")
+        return b"-m" in args and module.encode() in args
+
+    def _wait_gone(self, pid: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._is_alive(pid):
+                child = self._children.pop(pid, None)
+                if child is not None:
+                    child.wait()
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _log_tail(self, name: str) -> str:
+        log = _read_text(self.run_dir / f"{name}.log") or "(empty log)"
+        lines = log.splitlines()[-_LOG_TAIL_LINES:]
+        return "\n".join(f"  | {line}" for line in lines)
+
+
+def _computed_name(index: int) -> str:
+    return "computed" if index == 0 else f"computed{index + 1}"
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter from /proc (Z for a zombie), None when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(path)
+    return int(text) if text and text.isdigit() else None
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _status_table(states: Sequence[DaemonState]) -> Table:
+    table = Table(title="kvcache stack")
+    for name in ("daemon", "pid", "state", "address", "health"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("log", overflow="fold")
+    for s in states:
+        table.add_row(s.name, str(s.pid or "-"), "running" if s.is_running else "stopped", s.address or "-",
+                      s.health, str(s.log_path))
+    return table
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m clients.stack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start blockd and computed, wait until SERVING")
+    down = commands.add_parser("down", help="stop the stack (SIGTERM, then SIGKILL)")
+    status = commands.add_parser("status", help="show the stack's processes and health")
+    for sub in (up, down, status):
+        sub.add_argument("--run-dir", type=Path, default=Path("run"), help="logs, pid and ready files")
+    up.add_argument("--blockd", default="127.0.0.1:50051", help="blockd listen address")
+    up.add_argument("--computed", action="append", default=None,
+                    help="computed listen address; repeat for several (default 127.0.0.1:50052)")
+    up.add_argument("--model", help="model directory for computed (default: its built-in model)")
+    up.add_argument("--admin-token", default=os.environ.get("BLOCKD_ADMIN_TOKEN"),
+                    help="blockd admin token (default: env BLOCKD_ADMIN_TOKEN)")
+    up.add_argument("--blockd-args", default="", help="more blockd flags, one shell-quoted string")
+    up.add_argument("--computed-args", default="", help="more computed flags, one shell-quoted string")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each daemon")
+    down.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    status.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out, err = Console(highlight=False), Console(stderr=True, highlight=False)
+    stack = Stack(args.run_dir)
+    try:
+        if args.command == "up":
+            states = stack.up(args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model,
+                              admin_token=args.admin_token, blockd_args=shlex.split(args.blockd_args),
+                              computed_args=shlex.split(args.computed_args), timeout=args.timeout)
+            out.print(_status_table(states))
+            computed = ",".join(s.address for s in states if s.name != "blockd" and s.address)
+            blockd = next(s.address for s in states if s.name == "blockd")
+            out.print(f"try: kvctl --blockd {blockd} --computed {computed} generate 'Hello'", markup=False)
+        elif args.command == "down":
+            stopped = stack.down(args.grace)
+            out.print(f"stopped: {', '.join(stopped)}" if stopped else f"nothing running in {args.run_dir}")
+        else:
+            states = stack.status()
+            if args.json:
+                print(json.dumps([{**s.__dict__, "log_path": str(s.log_path)} for s in states], indent=2))
+            else:
+                out.print(_status_table(states))
+            return 0 if states and all(s.is_running for s in states) else 1
+    except StackError as error:
+        err.print(f"error: {error}", markup=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        err.print("error: interrupted", markup=False)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Llama-family causal LM (Llama 2/3, Qwen2, Qwen3) over a paged KV pool.
+
+Module and parameter names mirror Hugging Face's, so a checkpoint's tensor names are the
+state-dict keys (`model.layers.0.self_attn.q_proj.weight`, ...). Differences between the
+families are config flags: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), tied
+embeddings, Llama-3 RoPE scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from computed.attention import AttentionBatch, paged_attention
+from computed.kv_pool import KVPool
+from computed.model.config import ModelConfig
+from computed.model.layers import RMSNorm, SwiGLU
+from computed.model.rope import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        if config.has_qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                pool: KVPool) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                pool: KVPool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Hidden states for a flat batch of new tokens; logits only where asked.
+
+    `forward` writes the new tokens' K/V into `pool` (as `batch` says) and returns the
+    final-normed hidden states; `compute_logits` projects the rows the caller picks
+    (usually `hidden[batch.last_token_index]`), so a long prefill pays for one row only.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                      config.rope_scaling)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output head when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        """input_ids (T,) -> hidden (T, hidden_size)."""
+        self._check_pool(pool)
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, pool)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden_size) -> float32 logits (N, vocab_size).
+
+        The matmul runs in the model's dtype (as transformers does); the result is upcast.
+        """
+        return self.lm_head(hidden).float()
+
+    def _check_pool(self, pool: KVPool) -> None:
+        c = self.config
+        assert (pool.num_layers, pool.num_kv_heads, pool.head_dim) == (c.num_layers, c.num_kv_heads, c.head_dim), (
+            f"pool shaped for {pool.num_layers} layers x {pool.num_kv_heads} heads x {pool.head_dim}, "
+            f"model needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}")

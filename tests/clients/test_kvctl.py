@@ -1,0 +1,146 @@
+"""kvctl as a user runs it (`python -m clients.kvctl`), against live daemons."""
+
+from __future__ import annotations
+
+import json
+
+from kvcache.v1 import directory_pb2
+from tests.clients.conftest import LiveStack, dead_address, run_kvctl, unique_prompt
+
+POOL_STATS_FIELDS = {f.name for f in directory_pb2.PoolStats.DESCRIPTOR.fields}
+USAGE_KEYS = {"prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_seconds"}
+
+
+def kvctl_json(live: LiveStack, *args: str) -> dict:
+    result = run_kvctl(*args, "--json", env=live.kvctl_env())
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def generate_json(live: LiveStack, prompt: str, *extra: str) -> dict:
+    return kvctl_json(live, "generate", prompt, "--max-tokens", "3", *extra)
+
+
+def assert_one_line_error(result, code: int, text: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert text in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_generate_json_has_stable_keys_and_repeat_hits(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl generate")
+    first = generate_json(live, prompt)
+    assert {"text", "token_ids", "finish_reason", "usage"} <= set(first)
+    assert USAGE_KEYS <= set(first["usage"])
+    assert first["usage"]["completion_tokens"] == len(first["token_ids"]) >= 1
+    assert first["usage"]["cached_tokens"] == 0
+    second = generate_json(live, prompt)
+    assert second["usage"]["cached_tokens"] > 0
+    assert second["text"] == first["text"]
+
+
+def test_flush_then_repeat_shows_zero_cached_tokens(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl flush")
+    generate_json(live, prompt)
+    flushed = kvctl_json(live, "flush")
+    assert set(flushed) == {"dropped", "busy"}
+    assert flushed["dropped"] >= 1 and flushed["busy"] == 0
+    assert generate_json(live, prompt)["usage"]["cached_tokens"] == 0
+    # Without a flush in between the same prompt hits again.
+    assert generate_json(live, prompt)["usage"]["cached_tokens"] > 0
+
+
+def test_global_json_flag_and_salt_scoped_flush(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl salt")
+    generate_json(live, prompt, "--salt", "tenant-x")
+    result = run_kvctl("--json", "flush", "--salt", "tenant-x", env=live.kvctl_env())
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["dropped"] >= 1
+    assert generate_json(live, prompt, "--salt", "tenant-x")["usage"]["cached_tokens"] == 0
+
+
+def test_generate_streams_text_and_reports_cache_and_ttft(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl human")
+    run_kvctl("generate", prompt, "--max-tokens", "3", env=live.kvctl_env())
+    result = run_kvctl("generate", prompt, "--max-tokens", "3", env=live.kvctl_env())
+    assert result.returncode == 0, result.stderr
+    as_json = generate_json(live, prompt)
+    assert result.stdout.rstrip("\n") == as_json["text"].rstrip("\n")
+    assert "cached" in result.stderr and "TTFT" in result.stderr
+    assert f"cached {as_json['usage']['cached_tokens']} (" in result.stderr
+
+
+def test_system_prompt_makes_a_chat(live: LiveStack) -> None:
+    system = unique_prompt("kvctl system")
+    first = generate_json(live, "What is a block?", "--system", system)
+    second = generate_json(live, "What is a hash?", "--system", system)
+    assert first["usage"]["cached_tokens"] == 0 < second["usage"]["cached_tokens"]
+
+
+def test_stats_pools_blocks_tree_lookup(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl inspect")
+    generate_json(live, prompt)
+    stats = kvctl_json(live, "stats")
+    assert POOL_STATS_FIELDS <= set(stats)
+    assert stats["num_cached_blocks"] >= 1 and len(stats["pools"]) == 1
+    pools = kvctl_json(live, "pools")["pools"]
+    assert len(pools) == 1 and pools[0]["is_live"] and pools[0]["block_size"] == 16
+    blocks = kvctl_json(live, "blocks")["blocks"]
+    assert len(blocks) == stats["num_cached_blocks"]
+    assert all(len(b["block_hash"]) == 32 for b in blocks)
+    lookup = kvctl_json(live, "lookup", prompt)
+    assert lookup["matches"][0]["num_cached_tokens"] >= 16
+    tokens = ",".join(str(t) for t in range(40))
+    assert kvctl_json(live, "lookup", "--tokens", tokens)["num_tokens"] == 40
+    tree = kvctl_json(live, "tree")
+    texts = [_texts(node) for pool in tree["pools"] for node in pool["roots"]]
+    assert any("kvctl inspect" in "".join(t) for t in texts), "the run that holds the prompt, decoded"
+    human = run_kvctl("stats", env=live.kvctl_env())
+    assert human.returncode == 0 and "hit rate" in human.stdout and "num_cached_blocks" in human.stdout
+    human_tree = run_kvctl("tree", env=live.kvctl_env())
+    assert human_tree.returncode == 0 and "cached prefixes" in human_tree.stdout
+
+
+def _texts(node: dict) -> list[str]:
+    out = [node["text"] or ""]
+    for child in node["children"]:
+        out.extend(_texts(child))
+    return out
+
+
+def test_pin_and_unpin(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl pin")
+    generate_json(live, prompt)
+    pin = kvctl_json(live, "pin", prompt, "--ttl", "30")
+    assert pin["pin_id"] and pin["num_pinned_blocks"] >= 1
+    unpin = kvctl_json(live, "unpin", pin["pin_id"])
+    assert unpin == {"pin_id": pin["pin_id"], "num_unpinned_blocks": pin["num_pinned_blocks"]}
+
+
+def test_admin_commands_need_the_token(live: LiveStack) -> None:
+    missing = run_kvctl("stats", env=live.kvctl_env(token=None))
+    assert_one_line_error(missing, 4, "(UNAUTHENTICATED)")
+    assert "--admin-token" in missing.stderr
+    wrong = run_kvctl("flush", env=live.kvctl_env(token="not-the-token"))
+    assert_one_line_error(wrong, 4, "(PERMISSION_DENIED)")
+    ok = run_kvctl("--admin-token", "test-admin-token", "stats", "--json", env=live.kvctl_env(token=None))
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_unreachable_daemons_give_one_line_errors(live: LiveStack) -> None:
+    blockd = dead_address()
+    result = run_kvctl("--blockd", blockd, "stats", env=live.kvctl_env())
+    assert_one_line_error(result, 3, f"error: blockd at {blockd} is unreachable (UNAVAILABLE)")
+    computed = dead_address()
+    result = run_kvctl("--computed", computed, "generate", "hello", env=live.kvctl_env())
+    assert_one_line_error(result, 3, f"error: computed at {computed} is unreachable (UNAVAILABLE)")
+
+
+def test_refusals_and_usage_errors(live: LiveStack) -> None:
+    refused = run_kvctl("unpin", "no-such-pin", env=live.kvctl_env())
+    assert_one_line_error(refused, 1, f"blockd at {live.blockd.address}: ")
+    bad = run_kvctl("generate", "hello", "--max-tokens", "0", env=live.kvctl_env())
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    neither = run_kvctl("lookup", env=live.kvctl_env())
+    assert neither.returncode == 2 and "TEXT or --tokens" in neither.stderr

@@ -1,0 +1,141 @@
+"""The local runner (`python -m clients.stack`) and the demo start, report and stop real daemons."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clients.client import KVCacheClient
+from clients.stack import Stack, StackError
+from tests.clients.conftest import free_port, model_args, unique_prompt
+from tests.daemons import REPO
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_all_gone(pids: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(p) for p in pids), f"still running: {[p for p in pids if is_alive(p)]}"
+
+
+def pids_in(run_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in run_dir.glob("*.pid")]
+
+
+def logged_pids(run_dir: Path) -> list[int]:
+    """Every pid the stack started in this run folder (it logs "=== pid N" per start)."""
+    pids = [int(m) for log in run_dir.glob("*.log")
+            for m in re.findall(r"^=== pid (\d+)$", log.read_text(errors="replace"), re.MULTILINE)]
+    assert pids, "the stack logs the pid of each daemon it starts"
+    return pids
+
+
+def run_module(module: str, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def model_flags(tmp_path: Path) -> list[str]:
+    model = model_args(tmp_path)
+    return ["--model", str(model)] if model else []
+
+
+def test_up_status_down(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    blockd, computed = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    up = run_module("clients.stack", "up", "--run-dir", str(run_dir), "--blockd", blockd,
+                    "--computed", computed, *model_flags(tmp_path))
+    pids = pids_in(run_dir)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert len(pids) == 2 and all(is_alive(p) for p in pids)
+        for name in ("blockd", "computed"):
+            assert (run_dir / f"{name}.log").exists() and (run_dir / f"{name}.ready").exists()
+        status = run_module("clients.stack", "status", "--run-dir", str(run_dir), "--json")
+        assert status.returncode == 0, status.stderr
+        states = {s["name"]: s for s in json.loads(status.stdout)}
+        assert states["blockd"]["address"] == blockd and states["computed"]["address"] == computed
+        assert all(s["is_running"] and s["health"] == "SERVING" for s in states.values())
+        with KVCacheClient(blockd, [computed]) as client:
+            prompt = unique_prompt("stack")
+            client.complete(prompt, max_tokens=2)
+            assert client.complete(prompt, max_tokens=2).usage.cached_tokens > 0
+        again = run_module("clients.stack", "up", "--run-dir", str(run_dir), "--blockd", blockd,
+                           "--computed", computed)
+        assert again.returncode == 1 and "already running" in again.stderr
+    finally:
+        down = run_module("clients.stack", "down", "--run-dir", str(run_dir))
+    assert down.returncode == 0, down.stderr
+    assert "computed, blockd" in down.stdout
+    wait_all_gone(pids)
+    assert sorted(logged_pids(run_dir)) == sorted(pids)
+    assert not list(run_dir.glob("*.pid"))
+    status = run_module("clients.stack", "status", "--run-dir", str(run_dir))
+    assert status.returncode == 1
+
+
+def test_failed_start_shows_the_log_tail_and_stops_everything(tmp_path: Path) -> None:
+    stack = Stack(tmp_path / "run")
+    with pytest.raises(StackError) as error:
+        stack.up(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
+                 model=str(tmp_path / "no-such-model"), timeout=120)
+    message = str(error.value)
+    assert message.startswith("computed exited during start-up") and "  | " in message
+    assert "no-such-model" in message
+    assert stack.status() == [] and not list((tmp_path / "run").glob("*.pid"))
+
+
+def test_demo_runs_the_workload_and_stops_the_stack(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_module("clients.demo", "--run-dir", str(run_dir), "--blockd", f"127.0.0.1:{free_port()}",
+                        "--computed", f"127.0.0.1:{free_port()}", "--requests", "4", "--max-tokens", "2",
+                        *model_flags(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "overall hit rate" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert not list(run_dir.glob("*.pid")), "the demo stops the stack it started"
+    wait_all_gone(logged_pids(run_dir))
+    assert "cached 0 tokens" in result.stdout, "the request after the flush is cold"
+
+
+def test_demo_stops_the_stack_on_ctrl_c(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "clients.demo", "--run-dir", str(run_dir),
+                             "--blockd", f"127.0.0.1:{free_port()}", "--computed", f"127.0.0.1:{free_port()}",
+                             "--max-tokens", "16", *model_flags(tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "computed.ready").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the demo never started computed"
+            time.sleep(0.1)
+        pids = pids_in(run_dir)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output
+    wait_all_gone(pids)
+    assert not list(run_dir.glob("*.pid"))
