@@ -127,7 +127,8 @@ class Scheduler:
         """(tokens the table must hold this step, tokens wanted one step ahead)."""
         # This step writes at most up to the newest token (a fully cached prompt writes
         # nothing); one slot more lets the next decode run without waiting on blockd.
-        return seq.num_tokens, min(seq.num_tokens + 1, self.config.max_model_len)
+        limit = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
+        return seq.num_tokens, min(seq.num_tokens + 1, limit)
 
     def _plan_admits(self, ops: DirectoryOps) -> list[Admit]:
         admits: list[Admit] = []
@@ -293,4 +294,6 @@ class Scheduler:
             return "length"
         if seq.num_tokens >= self.config.max_model_len:
             return "length"
+        if seq.num_tokens > self.config.num_blocks * self.config.block_size:
+            return "length"  # the next token's K/V would not fit even in an empty pool
         return None
