@@ -88,6 +88,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._draining = False  # set by stop(): new requests are refused from then on
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._tasks: list[asyncio.Task] = []
 
@@ -100,6 +101,7 @@ class Engine:
 
     async def stop(self, drain_seconds: float) -> None:
         """Stop admitting; let running requests finish within the deadline, cancel the rest."""
+        self._draining = True
         deadline = time.monotonic() + drain_seconds
         while self.scheduler.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -143,7 +145,7 @@ class Engine:
 
     @property
     def is_accepting(self) -> bool:
-        return not self._stopping.is_set()
+        return not self._draining
 
     # --------------------------------------------------------------------- loop
 
