@@ -180,7 +180,9 @@ class Engine:
         ops = self.scheduler.plan_ops()
         self.stats.num_steps += 1
         if ops.must_wait:
+            started = time.monotonic()
             result = await self._step(ops)
+            self.stats.directory_wait_seconds += time.monotonic() - started
             if result is None:
                 return False
             self.scheduler.apply_result(ops, result)
@@ -193,13 +195,14 @@ class Engine:
         if chunks:
             await self._forward(chunks)
         if rpc is not None:
-            result = await rpc
+            started = time.monotonic()
+            result = await rpc  # usually done already: it travelled while the model ran
+            self.stats.directory_wait_seconds += time.monotonic() - started
             if result is not None:
                 self.scheduler.apply_result(ops, result)
         return bool(chunks) or not ops.is_empty
 
     async def _step(self, ops: DirectoryOps) -> DirectoryResult | None:
-        started = time.monotonic()
         try:
             return await self.directory.step(ops)
         except DirectoryUnavailable as exc:
@@ -207,14 +210,13 @@ class Engine:
             self.scheduler.on_step_failed(ops)
             self.directory.needs_recovery = True
             return None
-        finally:
-            self.stats.directory_wait_seconds += time.monotonic() - started if ops.must_wait else 0.0
 
     async def _recover(self) -> None:
         self.stats.num_recoveries += 1
         started = time.monotonic()
-        await self.directory.recover(self.scheduler.live_sequences(), self._stopping)
-        self.scheduler.on_resynced()
+        live = self.scheduler.live_sequences()
+        await self.directory.recover(live, self._stopping)
+        self.scheduler.on_resynced(live)
         self.stats.directory_wait_seconds += time.monotonic() - started
 
     async def _forward(self, chunks: list[ScheduledChunk]) -> None:
