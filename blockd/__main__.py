@@ -1,0 +1,163 @@
+"""`blockd`: the block-directory daemon. Flags fall back to BLOCKD_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from blockd.config import BlockdConfig, DirectoryConfig, TlsConfig
+from blockd.eviction import POLICIES
+from blockd.logs import configure_logging
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"BLOCKD_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = DirectoryConfig()
+    parser = argparse.ArgumentParser(
+        prog="blockd",
+        description="Block directory of a prefix-caching KV block service: chained block "
+        "hashes, the hash index, references under leases, leaf-first LRU eviction, pins and stats.",
+    )
+    parser.add_argument(
+        "--listen",
+        default=_env("LISTEN", "127.0.0.1:50051"),
+        help="HOST:PORT (port 0 picks a free one) or unix:PATH [BLOCKD_LISTEN; 127.0.0.1:50051]",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=_env("LEASE_TTL", "10"),
+        metavar="SECONDS",
+        help="a worker's pool is dropped this long after its last call [BLOCKD_LEASE_TTL; 10]",
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=_env("ADMIN_TOKEN"),
+        metavar="TOKEN",
+        help="require 'authorization: Bearer TOKEN' on admin calls [BLOCKD_ADMIN_TOKEN]",
+    )
+    parser.add_argument(
+        "--max-sequence-tokens",
+        type=int,
+        metavar="N",
+        default=_env("MAX_SEQUENCE_TOKENS", str(defaults.max_sequence_tokens)),
+        help=f"longest token list per sequence [BLOCKD_MAX_SEQUENCE_TOKENS; {defaults.max_sequence_tokens}]",
+    )
+    parser.add_argument(
+        "--eviction-policy",
+        choices=sorted(POLICIES),
+        default=_env("EVICTION_POLICY", defaults.eviction_policy),
+        help="which unreferenced cached leaf goes first [BLOCKD_EVICTION_POLICY; lru]",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=_env("READY_FILE"),
+        metavar="PATH",
+        help="write the bound address here once serving [BLOCKD_READY_FILE]",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("METRICS_PORT"),
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (0: any free one) [BLOCKD_METRICS_PORT]",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=_env("METRICS_HOST", "127.0.0.1"),
+        help="interface of the metrics endpoint [BLOCKD_METRICS_HOST; 127.0.0.1]",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "console", "json"),
+        default=_env("LOG_FORMAT", "auto"),
+        help="auto: console on a terminal, JSON otherwise [BLOCKD_LOG_FORMAT; auto]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=_env("TLS_CERT"),
+        metavar="PEM",
+        help="server certificate chain; enables TLS with --tls-key [BLOCKD_TLS_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key",
+        type=Path,
+        default=_env("TLS_KEY"),
+        metavar="PEM",
+        help="server private key [BLOCKD_TLS_KEY]",
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=_env("TLS_CLIENT_CA"),
+        metavar="PEM",
+        help="require client certificates signed by this CA [BLOCKD_TLS_CLIENT_CA]",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=_env("SHUTDOWN_GRACE", "5"),
+        metavar="SECONDS",
+        help="time in-flight calls get on SIGTERM [BLOCKD_SHUTDOWN_GRACE; 5]",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BlockdConfig:
+    """Raises ValueError with a message naming the bad flag's value."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    directory = DirectoryConfig(
+        max_sequence_tokens=args.max_sequence_tokens,
+        lease_ttl_seconds=args.lease_ttl,
+        eviction_policy=args.eviction_policy,
+        # Epochs start at the wall clock (ms) so they keep growing across restarts.
+        initial_epoch=int(time.time() * 1000),
+    )
+    return BlockdConfig(
+        listen=args.listen,
+        admin_token=args.admin_token,
+        ready_file=args.ready_file,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        log_format=args.log_format,
+        tls=tls,
+        shutdown_grace_seconds=args.shutdown_grace,
+        directory=directory,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(config.log_format)
+    from blockd.server import serve  # after logging is configured; keeps --help fast
+
+    try:
+        return asyncio.run(serve(config))
+    except RuntimeError as exc:  # e.g. the address is taken
+        structlog.get_logger("blockd").error("cannot serve", error=str(exc))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

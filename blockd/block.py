@@ -1,0 +1,117 @@
+"""Mutable records of one pool: committed blocks and live sequences.
+
+Only *committed* blocks have a `Block` record. A block a sequence has allocated but
+not yet committed belongs to that sequence alone: its id sits in the sequence's
+table and nowhere else, so it needs no record (this keeps a cold admission to a
+handful of list operations).
+"""
+
+from __future__ import annotations
+
+from blockd.types import BlockHash, BlockId, SequenceId
+
+
+class Block:
+    """A committed block: its content identity and its bookkeeping.
+
+    Identity (what an exact hit compares): `parent` (the physical parent block's
+    record, None for a first block), `token_bytes` and `mixed_salt` (the salt mixed
+    into this block's hash, None for all but one block of a salted chain). The pool's
+    namespace is implied: every pool has its own index.
+
+    Invariants, checked by the property tests:
+    - `is_cached` <=> the pool's index maps `block_hash` to this record.
+    - a cached block's parent is cached (no orphaned descendants), so its
+      `num_cached_children` counts cached records whose `parent` is this one.
+    - `ref_count` == holders: sequences whose table contains it, plus `pin_count`.
+    - ref_count == 0 => cached (an uncached committed block is freed on its last
+      release, since nothing can find it again).
+    """
+
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "chain_salt",
+        "depth",
+        "heap_key",
+        "is_cached",
+        "last_tick",
+        "mixed_salt",
+        "num_cached_children",
+        "num_hits",
+        "parent",
+        "pin_count",
+        "ref_count",
+        "token_bytes",
+    )
+
+    def __init__(
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        parent: Block | None,
+        token_bytes: bytes,
+        mixed_salt: str | None,
+    ) -> None:
+        self.block_id = block_id
+        self.block_hash = block_hash
+        self.parent = parent
+        self.token_bytes = token_bytes
+        self.mixed_salt = mixed_salt
+        # The salt the chain carries from here on (for flushing one tenant's blocks).
+        self.chain_salt = (
+            mixed_salt if mixed_salt is not None else (parent.chain_salt if parent is not None else None)
+        )
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.ref_count = 1
+        self.pin_count = 0
+        self.num_cached_children = 0
+        self.is_cached = False
+        self.last_tick = 0  # logical time of the last release/unpin (LRU recency)
+        self.num_hits = 0  # verified hits (LFU frequency)
+        self.heap_key: int | None = None  # key of its valid entry in the evictable heap
+
+    @property
+    def is_evictable_leaf(self) -> bool:
+        return self.is_cached and self.ref_count == 0 and self.num_cached_children == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Block(id={self.block_id}, depth={self.depth}, ref={self.ref_count}, "
+            f"cached={self.is_cached}, children={self.num_cached_children})"
+        )
+
+
+class Sequence:
+    """A live sequence of one pool.
+
+    `block_ids[:num_committed]` are committed (records exist, each holds one reference
+    for this sequence); `block_ids[num_committed:]` are owned by this sequence alone.
+    `token_bytes` are the tokens known to be written or to be written (prompt, then
+    committed content); commits must agree with them where they overlap.
+    """
+
+    __slots__ = (
+        "block_ids",
+        "num_committed",
+        "salt",
+        "salt_block",
+        "sequence_id",
+        "token_bytes",
+    )
+
+    def __init__(
+        self,
+        sequence_id: SequenceId,
+        block_ids: list[BlockId],
+        token_bytes: bytes,
+        num_committed: int,
+        salt: str,
+        salt_block: int | None,
+    ) -> None:
+        self.sequence_id = sequence_id
+        self.block_ids = block_ids
+        self.token_bytes = token_bytes
+        self.num_committed = num_committed
+        self.salt = salt
+        self.salt_block = salt_block

@@ -1,0 +1,93 @@
+"""Frozen, validated configuration: the directory's limits and the daemon's flags."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blockd.eviction import POLICIES
+
+MAX_POOL_BLOCKS = 16_777_216
+MAX_BLOCK_SIZE = 1024
+LOG_FORMATS = ("auto", "console", "json")
+
+
+@dataclass(frozen=True)
+class DirectoryConfig:
+    """Limits and policies of the pure directory core."""
+
+    # Long enough for 128K-context models; a prompt beyond it is INVALID_ARGUMENT.
+    max_sequence_tokens: int = 131_072
+    # A lease lapses this long after the worker's last RegisterPool/RenewLease/Step.
+    lease_ttl_seconds: float = 10.0
+    eviction_policy: str = "lru"
+    # Events kept for WatchEvents replay; older ones are answered with a GAP.
+    event_log_capacity: int = 10_000
+    # ... and at most this many bytes of them (STORED events carry their tokens).
+    event_log_max_bytes: int = 64 * 1024 * 1024
+    # Route skips a pool whose load exceeds the least loaded pool's by more than this,
+    # so one worker holding a hot prefix is not swamped.
+    route_load_margin: float = 0.25
+    # Epoch given to a pool id the directory has never seen. The server passes the
+    # wall clock in ms so epochs keep growing across blockd restarts (fencing).
+    initial_epoch: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_sequence_tokens <= 16_777_216:
+            raise ValueError(f"max_sequence_tokens must be 1 .. 16777216, got {self.max_sequence_tokens}")
+        if not (math.isfinite(self.lease_ttl_seconds) and 0 < self.lease_ttl_seconds <= 86_400):
+            raise ValueError(f"lease_ttl_seconds must be in (0, 86400], got {self.lease_ttl_seconds}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
+            )
+        if self.event_log_capacity < 1:
+            raise ValueError(f"event_log_capacity must be >= 1, got {self.event_log_capacity}")
+        if self.event_log_max_bytes < 1:
+            raise ValueError(f"event_log_max_bytes must be >= 1, got {self.event_log_max_bytes}")
+        if not 0 <= self.route_load_margin <= 1:
+            raise ValueError(f"route_load_margin must be in [0, 1], got {self.route_load_margin}")
+        if self.initial_epoch < 1:
+            raise ValueError(f"initial_epoch must be >= 1, got {self.initial_epoch}")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert_file: Path
+    key_file: Path
+    # When set, clients must present a certificate signed by this CA.
+    client_ca_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        for path in (self.cert_file, self.key_file, self.client_ca_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"TLS file not found: {path}")
+
+
+@dataclass(frozen=True)
+class BlockdConfig:
+    """The daemon: where it listens, who may administer it, and the core's limits."""
+
+    listen: str = "127.0.0.1:50051"  # host:port, [v6]:port or unix:PATH
+    admin_token: str | None = None  # None: admin calls need no token
+    ready_file: Path | None = None
+    metrics_port: int | None = None  # None: no Prometheus endpoint
+    metrics_host: str = "127.0.0.1"
+    log_format: str = "auto"
+    tls: TlsConfig | None = None
+    # Seconds in-flight calls get to finish on SIGTERM/SIGINT.
+    shutdown_grace_seconds: float = 5.0
+    directory: DirectoryConfig = field(default_factory=DirectoryConfig)
+
+    def __post_init__(self) -> None:
+        if not self.listen.startswith("unix:") and ":" not in self.listen:
+            raise ValueError(f"listen must be HOST:PORT or unix:PATH, got {self.listen!r}")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ValueError("admin token must not be blank (omit it to disable admin auth)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65_535:
+            raise ValueError(f"metrics port must be 0 .. 65535, got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if not 0 <= self.shutdown_grace_seconds <= 300:
+            raise ValueError(f"shutdown grace must be 0 .. 300 s, got {self.shutdown_grace_seconds}")

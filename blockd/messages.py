@@ -1,0 +1,135 @@
+"""Protobuf messages <-> directory types. No logic: field by field."""
+
+from __future__ import annotations
+
+from blockd.events import BlockEvent, EventKind
+from blockd.hashing import tokens_of
+from blockd.types import (
+    AdmitOp,
+    BlockInfo,
+    CommitOp,
+    GrowOp,
+    Namespace,
+    PoolInfo,
+    PoolMatch,
+    PoolStats,
+    ReleaseOp,
+    ResyncSequence,
+)
+from kvcache.v1 import directory_pb2 as pb
+
+# ------------------------------------------------------------------ requests
+
+
+def namespace_from(msg: pb.Namespace) -> Namespace:
+    return Namespace(msg.model_id, msg.model_revision, msg.dtype, msg.adapter_id)
+
+
+def step_ops_from(
+    request: pb.StepRequest,
+) -> tuple[list[CommitOp], list[ReleaseOp], list[GrowOp], list[AdmitOp]]:
+    return (
+        [CommitOp(op.sequence_id, op.block_ids, op.token_ids) for op in request.commits],
+        [ReleaseOp(op.sequence_id) for op in request.releases],
+        [GrowOp(op.sequence_id, op.num_tokens) for op in request.grows],
+        [
+            AdmitOp(op.sequence_id, op.token_ids, op.cache_salt, op.public_prefix_tokens)
+            for op in request.admits
+        ],
+    )
+
+
+def resync_sequences_from(request: pb.ResyncRequest) -> list[ResyncSequence]:
+    return [
+        ResyncSequence(s.sequence_id, s.block_ids, s.token_ids, s.cache_salt, s.public_prefix_tokens)
+        for s in request.sequences
+    ]
+
+
+# ------------------------------------------------------------------ responses
+
+
+def namespace_to(namespace: Namespace) -> pb.Namespace:
+    return pb.Namespace(
+        model_id=namespace.model_id,
+        model_revision=namespace.model_revision,
+        dtype=namespace.dtype,
+        adapter_id=namespace.adapter_id,
+    )
+
+
+def pool_stats_to(stats: PoolStats) -> pb.PoolStats:
+    return pb.PoolStats(
+        pool_id=stats.pool_id or "",
+        num_blocks=stats.num_blocks,
+        block_size=stats.block_size,
+        num_free_blocks=stats.num_free_blocks,
+        num_evictable_blocks=stats.num_evictable_blocks,
+        num_referenced_blocks=stats.num_referenced_blocks,
+        num_pinned_blocks=stats.num_pinned_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        num_sequences=stats.num_sequences,
+        queried_tokens=stats.queried_tokens,
+        hit_tokens=stats.hit_tokens,
+        num_evictions=stats.num_evictions,
+        num_admissions=stats.num_admissions,
+        num_admissions_deferred=stats.num_admissions_deferred,
+    )
+
+
+def pool_info_to(info: PoolInfo) -> pb.PoolInfo:
+    return pb.PoolInfo(
+        pool_id=info.pool_id,
+        epoch=info.epoch,
+        namespace=namespace_to(info.namespace),
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        worker_address=info.worker_address,
+        lease_remaining_seconds=info.lease_remaining_seconds,
+        is_live=info.is_live,
+        stats=pool_stats_to(info.stats),
+    )
+
+
+def block_info_to(info: BlockInfo) -> pb.BlockInfo:
+    return pb.BlockInfo(
+        pool_id=info.pool_id,
+        block_id=info.block_id,
+        block_hash=info.block_hash,
+        parent_hash=info.parent_hash or b"",
+        token_ids=info.token_ids,
+        ref_count=info.ref_count,
+        is_pinned=info.is_pinned,
+        block_index=info.block_index,
+        is_salted=info.is_salted,
+    )
+
+
+def pool_match_to(match: PoolMatch) -> pb.PoolMatch:
+    return pb.PoolMatch(
+        pool_id=match.pool_id,
+        worker_address=match.worker_address,
+        num_cached_tokens=match.num_cached_tokens,
+        load=match.load,
+        num_sequences=match.num_sequences,
+    )
+
+
+_EVENT_KINDS = {
+    EventKind.STORED: pb.BLOCK_EVENT_KIND_STORED,
+    EventKind.REMOVED: pb.BLOCK_EVENT_KIND_REMOVED,
+    EventKind.CLEARED: pb.BLOCK_EVENT_KIND_CLEARED,
+    EventKind.GAP: pb.BLOCK_EVENT_KIND_GAP,
+}
+
+
+def event_to(event: BlockEvent) -> pb.WatchEventsResponse:
+    return pb.WatchEventsResponse(
+        sequence=event.sequence,
+        kind=_EVENT_KINDS[event.kind],
+        pool_id=event.pool_id or "",
+        block_hashes=event.block_hashes,
+        parent_hash=event.parent_hash or b"",
+        token_ids=tokens_of(event.token_bytes),
+        block_ids=event.block_ids,
+    )

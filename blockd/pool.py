@@ -1,0 +1,385 @@
+"""One worker's pool: the block mechanics behind admit, grow, commit and release.
+
+Every block is in exactly one of three states, so at every moment
+
+    free + evictable + referenced == num_blocks
+
+- free: in `self.free`; nobody can find it.
+- evictable: committed, cached (findable by hash), no references; it can be hit
+  again or evicted (leaf first) when the pool runs out of free blocks.
+- referenced: held by live sequences or pins. Only a sequence's own uncommitted
+  blocks are ever written; a referenced block is never evicted or handed out.
+
+Methods assume their arguments were validated (`blockd.validation`); they only
+`assert` internal invariants, so a step that passed validation applies fully.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockd.allocator import FreeBlocks
+from blockd.block import Block, Sequence
+from blockd.events import EventKind, EventLog
+from blockd.eviction import EvictableLeaves, EvictionPolicy
+from blockd.hashing import TOKEN_BYTES, UNSALTED_TAG, BlockHasher, salt_tag
+from blockd.prompt import Prompt
+from blockd.types import AdmitResult, BlockHash, BlockId, GrowResult, PoolId, SequenceId
+
+EVENT_CHUNK = 1024  # blocks per REMOVED event when a flush drops many
+
+
+@dataclass
+class PoolCounters:
+    """Cumulative statistics; they survive resets so exported counters never go down."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    num_evictions: int = 0
+    num_admissions: int = 0
+    num_admissions_deferred: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncPlan:
+    """A validated ResyncSequence."""
+
+    sequence_id: SequenceId
+    block_ids: list[BlockId]
+    prompt: Prompt
+
+
+class BlockPool:
+    """Blocks, hash index, free list, evictable leaves and sequences of one pool."""
+
+    def __init__(
+        self,
+        pool_id: PoolId,
+        num_blocks: int,
+        block_size: int,
+        seed: BlockHash,
+        hasher: BlockHasher,
+        policy: EvictionPolicy,
+        events: EventLog,
+        counters: PoolCounters,
+    ) -> None:
+        self.pool_id = pool_id
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.seed = seed  # h_{-1} of the pool's namespace
+        self.counters = counters
+        self.free = FreeBlocks(num_blocks)
+        self.blocks: dict[BlockId, Block] = {}  # every committed block
+        self.index: dict[BlockHash, Block] = {}  # the cached (findable) ones
+        self.sequences: dict[SequenceId, Sequence] = {}
+        self.leaves = EvictableLeaves(policy)
+        self.num_evictable = 0
+        self.num_referenced = 0
+        self.num_pinned = 0
+        self._hasher = hasher
+        self._events = events
+        self._tick = 0  # logical clock for recency
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def load(self) -> float:
+        """Share of blocks referenced (by sequences or pins), 0..1."""
+        return self.num_referenced / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match(self, prompt: Prompt) -> list[Block]:
+        """Verified hits of the prompt's leading full blocks; the first miss ends the
+        walk. A hit needs the indexed block's parent to be the previous hit (the same
+        physical block), equal tokens and the same mixed salt: an equal hash alone
+        never decides. Cost: one slice, digest and dict lookup per hit, plus one for
+        the miss; no allocation besides the hit list."""
+        data = prompt.token_bytes
+        width = self.block_size * TOKEN_BYTES
+        salt_block = prompt.salt_block(self.block_size)
+        salted_tag = salt_tag(prompt.salt) if salt_block is not None else b""
+        index_get = self.index.get
+        digest = self._hasher.digest
+        hits: list[Block] = []
+        parent: Block | None = None
+        parent_hash = self.seed
+        start = 0
+        for i in range(len(data) // width):
+            end = start + width
+            chunk = data[start:end]
+            if i == salt_block:
+                block_hash = digest(parent_hash + salted_tag + chunk)
+                mixed_salt: str | None = prompt.salt
+            else:
+                block_hash = digest(parent_hash + UNSALTED_TAG + chunk)
+                mixed_salt = None
+            block = index_get(block_hash)
+            if (
+                block is None
+                or block.parent is not parent
+                or block.token_bytes != chunk
+                or block.mixed_salt != mixed_salt
+            ):
+                break
+            hits.append(block)
+            parent = block
+            parent_hash = block_hash
+            start = end
+        return hits
+
+    # ------------------------------------------------------------ step ops
+
+    def admit(self, sequence_id: SequenceId, prompt: Prompt) -> AdmitResult:
+        """Reference the verified hits, then allocate the misses (evicting if needed),
+        so the allocation can never evict a block this admission reuses. Without
+        enough free + evictable blocks nothing changes and admitted is False."""
+        num_tokens = prompt.num_tokens
+        hits = self.match(prompt)
+        num_revived = 0
+        for block in hits:
+            if block.ref_count == 0:
+                num_revived += 1
+        num_missing = self.num_blocks_for(num_tokens) - len(hits)
+        if len(self.free) + self.num_evictable - num_revived < num_missing:
+            self.counters.num_admissions_deferred += 1
+            return AdmitResult(sequence_id, False)
+        self.num_evictable -= num_revived
+        self.num_referenced += num_revived
+        for block in hits:
+            block.ref_count += 1
+            block.num_hits += 1
+        block_ids = [block.block_id for block in hits]
+        block_ids += self._allocate(num_missing)
+        salt_block = prompt.salt_block(self.block_size)
+        self.sequences[sequence_id] = Sequence(
+            sequence_id, block_ids, prompt.token_bytes, len(hits), prompt.salt, salt_block
+        )
+        num_cached_tokens = len(hits) * self.block_size
+        counters = self.counters
+        counters.num_admissions += 1
+        counters.queried_tokens += num_tokens
+        counters.hit_tokens += num_cached_tokens
+        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens)
+
+    def grow(self, sequence_id: SequenceId, num_tokens: int) -> GrowResult:
+        sequence = self.sequences[sequence_id]
+        num_missing = self.num_blocks_for(num_tokens) - len(sequence.block_ids)
+        if num_missing <= 0:
+            return GrowResult(sequence_id, True)
+        if len(self.free) + self.num_evictable < num_missing:
+            return GrowResult(sequence_id, False)
+        new_block_ids = self._allocate(num_missing)
+        sequence.block_ids.extend(new_block_ids)
+        return GrowResult(sequence_id, True, tuple(new_block_ids))
+
+    def commit(self, sequence_id: SequenceId, block_ids: list[BlockId], data: bytes) -> None:
+        """Make the sequence's next uncommitted blocks findable (validated: they are the
+        run from its first uncommitted block and `data` is exactly their tokens)."""
+        sequence = self.sequences[sequence_id]
+        start = sequence.num_committed
+        assert block_ids == sequence.block_ids[start : start + len(block_ids)], "commit run"
+        parent = self.blocks[sequence.block_ids[start - 1]] if start else None
+        width = self.block_size * TOKEN_BYTES
+        stored: list[Block] = []
+        for j, block_id in enumerate(block_ids):
+            mixed_salt = sequence.salt if start + j == sequence.salt_block else None
+            parent = self._commit_block(block_id, parent, data[j * width : (j + 1) * width], mixed_salt)
+            if parent.is_cached:
+                stored.append(parent)
+        sequence.num_committed += len(block_ids)
+        known = sequence.token_bytes
+        offset = start * width
+        sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
+        self._emit_stored(stored)
+
+    def release(self, sequence_id: SequenceId) -> None:
+        """Drop the sequence's references: committed blocks stay findable (evictable)
+        once unreferenced, its own uncommitted blocks return to free. One tick stamps
+        the whole chain, so a parent is never more recent than its child."""
+        sequence = self.sequences.pop(sequence_id)
+        self._tick += 1
+        tick = self._tick
+        blocks = self.blocks
+        num_committed = sequence.num_committed
+        for block_id in sequence.block_ids[:num_committed]:
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.last_tick = tick
+                if block.is_cached and block.num_cached_children:  # the common case, inlined
+                    self.num_evictable += 1
+                    self.num_referenced -= 1
+                else:
+                    self._unreferenced(block, tick)
+        owned = sequence.block_ids[num_committed:]
+        self.free.give_all(owned)
+        self.num_referenced -= len(owned)
+
+    # ------------------------------------------------------------ admin ops
+
+    def flush(self, salt: str | None) -> tuple[int, int]:
+        """Drop every unreferenced cached block (of chains carrying `salt` if given);
+        answer (dropped, busy). Descendants of an unreferenced block are unreferenced
+        and carry its salt, so no cached block is left without its parent."""
+        matching = [b for b in self.index.values() if salt is None or b.chain_salt == salt]
+        dropped = [b for b in matching if b.ref_count == 0]
+        for block in dropped:
+            self._uncache(block)
+            del self.blocks[block.block_id]
+        self.num_evictable -= len(dropped)
+        self.free.give_all([block.block_id for block in dropped])
+        for i in range(0, len(dropped), EVENT_CHUNK):
+            chunk = dropped[i : i + EVENT_CHUNK]
+            self._events.append(
+                EventKind.REMOVED,
+                self.pool_id,
+                tuple(b.block_hash for b in chunk),
+                tuple(b.block_id for b in chunk),
+            )
+        return len(dropped), len(matching) - len(dropped)
+
+    def pin(self, blocks: list[Block]) -> None:
+        """Hold a reference on cached blocks (a pinned prefix is never evicted)."""
+        for block in blocks:
+            assert block.is_cached and self.index.get(block.block_hash) is block, "pin a cached block"
+            if block.ref_count == 0:
+                self.num_evictable -= 1
+                self.num_referenced += 1
+            block.ref_count += 1
+            block.pin_count += 1
+            if block.pin_count == 1:
+                self.num_pinned += 1
+
+    def unpin(self, blocks: list[Block]) -> None:
+        self._tick += 1
+        for block in blocks:
+            assert block.pin_count > 0, f"unpin of an unpinned block {block}"
+            block.pin_count -= 1
+            if block.pin_count == 0:
+                self.num_pinned -= 1
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._unreferenced(block, self._tick)
+
+    def resync(self, plans: list[ResyncPlan]) -> int:
+        """Re-declare live sequences on an empty pool: reference their exact blocks and
+        re-commit their full blocks (a block shared by several has identical content;
+        validated). Answers how many blocks were indexed again."""
+        assert not self.sequences and not self.blocks, "resync needs an empty pool"
+        held = {block_id for plan in plans for block_id in plan.block_ids}
+        self.free.reserve(held)
+        self.num_referenced = len(held)
+        width = self.block_size * TOKEN_BYTES
+        num_stored = 0
+        for plan in plans:
+            stored: list[Block] = []  # shared blocks form a prefix, so these form a chain
+            data = plan.prompt.token_bytes
+            salt_block = plan.prompt.salt_block(self.block_size)
+            num_full = len(data) // width
+            parent: Block | None = None
+            for i, block_id in enumerate(plan.block_ids[:num_full]):
+                shared = self.blocks.get(block_id)
+                if shared is not None:
+                    shared.ref_count += 1
+                    parent = shared
+                    continue
+                mixed_salt = plan.prompt.salt if i == salt_block else None
+                parent = self._commit_block(block_id, parent, data[i * width : (i + 1) * width], mixed_salt)
+                if parent.is_cached:
+                    stored.append(parent)
+            self.sequences[plan.sequence_id] = Sequence(
+                plan.sequence_id, list(plan.block_ids), data, num_full, plan.prompt.salt, salt_block
+            )
+            self._emit_stored(stored)
+            num_stored += len(stored)
+        return num_stored
+
+    # ------------------------------------------------------------ private helpers
+
+    def _commit_block(
+        self, block_id: BlockId, parent: Block | None, chunk: bytes, mixed_salt: str | None
+    ) -> Block:
+        """Create the record of a block its sequence has just written, and index it
+        unless an entry with that hash exists (an identical copy, or a collision) or
+        its parent is not findable (it could never be reached by a walk)."""
+        assert block_id not in self.blocks, f"block {block_id} is already committed"
+        parent_hash = parent.block_hash if parent is not None else self.seed
+        tag = salt_tag(mixed_salt) if mixed_salt is not None else UNSALTED_TAG
+        block_hash = self._hasher.block_hash(parent_hash, tag, chunk)
+        block = Block(block_id, block_hash, parent, chunk, mixed_salt)
+        self.blocks[block_id] = block
+        if (parent is None or parent.is_cached) and block_hash not in self.index:
+            self.index[block_hash] = block
+            block.is_cached = True
+            if parent is not None:
+                parent.num_cached_children += 1
+        return block
+
+    def _allocate(self, num: int) -> list[BlockId]:
+        """`num` blocks for a sequence: free ones first, then evicted leaves."""
+        num_free = min(num, len(self.free))
+        block_ids = self.free.take(num_free)
+        if num > num_free:
+            block_ids += self._evict(num - num_free)
+        self.num_referenced += num
+        return block_ids
+
+    def _evict(self, num: int) -> list[BlockId]:
+        evicted: list[Block] = []
+        for _ in range(num):
+            block = self.leaves.pop()
+            assert block is not None, "evictable count promised a leaf"
+            self._uncache(block)
+            del self.blocks[block.block_id]
+            evicted.append(block)
+        self.num_evictable -= num
+        self.counters.num_evictions += num
+        self._events.append(
+            EventKind.REMOVED,
+            self.pool_id,
+            tuple(b.block_hash for b in evicted),
+            tuple(b.block_id for b in evicted),
+        )
+        return [block.block_id for block in evicted]
+
+    def _uncache(self, block: Block) -> None:
+        assert self.index.get(block.block_hash) is block, f"{block} is not indexed"
+        del self.index[block.block_hash]
+        block.is_cached = False
+        parent = block.parent
+        if parent is not None:
+            parent.num_cached_children -= 1
+            if parent.is_evictable_leaf:
+                self.leaves.push(parent)
+
+    def _unreferenced(self, block: Block, tick: int) -> None:
+        """A block's last reference is gone: cached ones become evictable, the others
+        (never findable) are freed."""
+        self.num_referenced -= 1
+        block.last_tick = tick
+        if block.is_cached:
+            self.num_evictable += 1
+            if block.num_cached_children == 0:
+                self.leaves.push(block)
+        else:
+            del self.blocks[block.block_id]
+            self.free.give_all([block.block_id])
+
+    def _emit_stored(self, stored: list[Block]) -> None:
+        """One STORED event for a chain of newly cached blocks (parent to child)."""
+        if stored:
+            parent = stored[0].parent
+            self._events.append(
+                EventKind.STORED,
+                self.pool_id,
+                tuple(b.block_hash for b in stored),
+                tuple(b.block_id for b in stored),
+                parent.block_hash if parent is not None else None,
+                b"".join(b.token_bytes for b in stored),
+            )

@@ -1,0 +1,158 @@
+"""The blockd process: gRPC server, health, reflection, lease expiry, metrics, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from blockd.auth import AdminAuth
+from blockd.config import BlockdConfig, TlsConfig
+from blockd.directory import BlockDirectory
+from blockd.metrics import make_registry, start_metrics_server
+from blockd.service import BlockDirectoryService, DirectoryAdminService, RoutingService
+from kvcache.v1 import directory_pb2, directory_pb2_grpc
+
+log = structlog.get_logger("blockd.server")
+
+SERVICE_NAMES = tuple(service.full_name for service in directory_pb2.DESCRIPTOR.services_by_name.values())
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Step may carry many 128K-token prompts
+
+
+@dataclass
+class BlockdServer:
+    """A built, not yet started blockd: `start`, then `stop` (or `wait_for_termination`)."""
+
+    server: grpc.aio.Server
+    address: str
+    directory: BlockDirectory
+    health: health_aio.HealthServicer
+    config: BlockdConfig
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _metrics: asyncio.Server | None = None
+    metrics_address: str | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.config.metrics_port is not None:
+            self._metrics = await start_metrics_server(
+                make_registry(self.directory), self.config.metrics_host, self.config.metrics_port
+            )
+            host, port = self._metrics.sockets[0].getsockname()[:2]
+            self.metrics_address = f"{host}:{port}"
+        self._tasks.append(asyncio.create_task(self._expire_forever(), name="blockd-expiry"))
+        for service in ("", *SERVICE_NAMES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving",
+            address=self.address,
+            metrics=self.metrics_address,
+            lease_ttl=self.config.directory.lease_ttl_seconds,
+            admin_auth=self.config.admin_token is not None,
+            tls=self.config.tls is not None,
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING first (balancers stop sending), then let calls finish."""
+        for service in ("", *SERVICE_NAMES):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._metrics is not None:
+            self._metrics.close()
+        await self.server.stop(self.config.shutdown_grace_seconds if grace is None else grace)
+        log.info("stopped", address=self.address)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def _expire_forever(self) -> None:
+        """Retire lapsed leases and pins, about four times per lease TTL."""
+        period = min(1.0, self.config.directory.lease_ttl_seconds / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for pool_id in self.directory.expire_leases():
+                    log.warning("lease lapsed: pool dropped", pool_id=pool_id)
+                for pin_id in self.directory.expire_pins():
+                    log.info("pin expired", pin_id=pin_id)
+            except Exception:
+                log.exception("lease expiry failed")
+
+
+def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) -> tuple[BlockdServer, str]:
+    """Build (not start) blockd on `config.listen`; answers it and the bound address
+    (with the real port when the configured one is 0)."""
+    directory = directory or BlockDirectory(config.directory)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    directory_pb2_grpc.add_BlockDirectoryServiceServicer_to_server(BlockDirectoryService(directory), server)
+    directory_pb2_grpc.add_DirectoryAdminServiceServicer_to_server(
+        DirectoryAdminService(directory, AdminAuth(config.admin_token)), server
+    )
+    directory_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingService(directory), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((*SERVICE_NAMES, health_name, reflection.SERVICE_NAME), server)
+    if config.tls is not None:
+        port = server.add_secure_port(config.listen, _server_credentials(config.tls))
+    else:
+        port = server.add_insecure_port(config.listen)
+    if port == 0 and not config.listen.startswith("unix:"):
+        raise RuntimeError(f"could not bind {config.listen}")
+    address = _bound_address(config.listen, port)
+    return BlockdServer(server, address, directory, health, config), address
+
+
+async def serve(config: BlockdConfig) -> int:
+    """build -> start -> (ready file) -> wait for SIGTERM/SIGINT -> stop; answers the exit code."""
+    blockd, address = build_server(config)
+    await blockd.start()
+    if config.ready_file is not None:
+        _write_atomically(config.ready_file, address)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("shutting down", grace=config.shutdown_grace_seconds)
+    await blockd.stop()
+    return 0
+
+
+def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file is not None else None
+    return grpc.ssl_server_credentials(
+        [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def _bound_address(listen: str, port: int) -> str:
+    if listen.startswith("unix:"):
+        return listen
+    host = listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)

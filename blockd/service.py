@@ -1,0 +1,281 @@
+"""gRPC servicers: messages in, directory calls, messages out.
+
+The only module that knows gRPC status codes. Every handler runs on the server's
+event loop, which serialises calls into the (not thread-safe) directory. A client
+mistake becomes its status code with the directory's message; anything unexpected
+becomes INTERNAL and is logged; the daemon keeps serving either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from blockd import messages
+from blockd.auth import AdminAuth, MissingCredentials, WrongCredentials
+from blockd.directory import BlockDirectory
+from blockd.types import InvalidArgument, NotFound, PinId, PoolId, ResourceExhausted, StaleEpoch
+from kvcache.v1 import directory_pb2 as pb
+from kvcache.v1 import directory_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("blockd.service")
+
+STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MissingCredentials: grpc.StatusCode.UNAUTHENTICATED,
+    WrongCredentials: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def _status_of(exc: Exception) -> grpc.StatusCode | None:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code = _status_of(exc)
+    if code is None:
+        log.exception("internal error", method=method)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+        )
+    await context.abort(code, str(exc))
+
+
+def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map exceptions of a unary handler to status codes."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure must become a status
+            await _abort(context, method.__name__, exc)
+
+    return handler
+
+
+def streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """Map exceptions of a server-streaming handler to status codes."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for reply in method(self, request, context):
+                yield reply
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, method.__name__, exc)
+
+    return handler
+
+
+class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
+    def __init__(self, directory: BlockDirectory) -> None:
+        self._directory = directory
+
+    @unary
+    async def RegisterPool(
+        self, request: pb.RegisterPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterPoolResponse:
+        reg = self._directory.register_pool(
+            request.num_blocks,
+            request.block_size,
+            messages.namespace_from(request.namespace),
+            request.worker_address,
+            PoolId(request.pool_id) or None,
+        )
+        log.info(
+            "pool registered",
+            pool_id=reg.pool_id,
+            epoch=reg.epoch,
+            num_blocks=request.num_blocks,
+            block_size=request.block_size,
+            worker=request.worker_address,
+        )
+        return pb.RegisterPoolResponse(
+            pool_id=reg.pool_id,
+            epoch=reg.epoch,
+            lease_ttl_seconds=reg.lease_ttl_seconds,
+            max_sequence_tokens=reg.max_sequence_tokens,
+        )
+
+    @unary
+    async def RenewLease(
+        self, request: pb.RenewLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewLeaseResponse:
+        ttl = self._directory.renew_lease(PoolId(request.pool_id), request.epoch)
+        return pb.RenewLeaseResponse(lease_ttl_seconds=ttl)
+
+    @unary
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        commits, releases, grows, admits = messages.step_ops_from(request)
+        result = self._directory.step(
+            PoolId(request.pool_id), request.epoch, commits, releases, grows, admits
+        )
+        reply = pb.StepResponse(
+            num_free_blocks=result.num_free_blocks, num_evictable_blocks=result.num_evictable_blocks
+        )
+        for grow in result.grows:
+            reply.grows.add(sequence_id=grow.sequence_id, grown=grow.grown, new_block_ids=grow.new_block_ids)
+        for admit in result.admits:
+            reply.admits.add(
+                sequence_id=admit.sequence_id,
+                admitted=admit.admitted,
+                block_ids=admit.block_ids,
+                num_cached_tokens=admit.num_cached_tokens,
+            )
+        return reply
+
+    @unary
+    async def Resync(self, request: pb.ResyncRequest, context: grpc.aio.ServicerContext) -> pb.ResyncResponse:
+        result = self._directory.resync(
+            PoolId(request.pool_id), request.epoch, messages.resync_sequences_from(request)
+        )
+        log.info(
+            "pool resynced",
+            pool_id=request.pool_id,
+            sequences=result.num_sequences,
+            indexed_blocks=result.num_committed_blocks,
+        )
+        return pb.ResyncResponse(
+            num_sequences=result.num_sequences, num_committed_blocks=result.num_committed_blocks
+        )
+
+
+class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
+    """Operator calls; each needs the admin token when one is configured."""
+
+    def __init__(self, directory: BlockDirectory, auth: AdminAuth) -> None:
+        self._directory = directory
+        self._auth = auth
+
+    @unary
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatsResponse:
+        self._auth.check(context.invocation_metadata())
+        stats = self._directory.stats(PoolId(request.pool_id) or None)
+        return pb.GetStatsResponse(
+            total=messages.pool_stats_to(stats.total),
+            pools=[messages.pool_stats_to(p) for p in stats.pools],
+            last_event_sequence=stats.last_event_sequence,
+        )
+
+    @unary
+    async def ListPools(
+        self, request: pb.ListPoolsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListPoolsResponse:
+        self._auth.check(context.invocation_metadata())
+        return pb.ListPoolsResponse(pools=[messages.pool_info_to(p) for p in self._directory.list_pools()])
+
+    @unary
+    async def ListBlocks(
+        self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListBlocksResponse:
+        self._auth.check(context.invocation_metadata())
+        page = self._directory.list_blocks(
+            PoolId(request.pool_id) or None, request.page_size, request.page_token or None
+        )
+        return pb.ListBlocksResponse(
+            blocks=[messages.block_info_to(b) for b in page.blocks],
+            next_page_token=page.next_page_token or "",
+        )
+
+    @unary
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        self._auth.check(context.invocation_metadata())
+        matches = self._directory.lookup(
+            request.token_ids,
+            request.cache_salt,
+            request.public_prefix_tokens,
+            PoolId(request.pool_id) or None,
+        )
+        return pb.LookupResponse(matches=[messages.pool_match_to(m) for m in matches])
+
+    @unary
+    async def Flush(self, request: pb.FlushRequest, context: grpc.aio.ServicerContext) -> pb.FlushResponse:
+        self._auth.check(context.invocation_metadata())
+        result = self._directory.flush(PoolId(request.pool_id) or None, request.cache_salt or None)
+        log.info(
+            "flush",
+            pool_id=request.pool_id or None,
+            salted=bool(request.cache_salt),
+            dropped=result.dropped,
+            busy=result.busy,
+        )
+        return pb.FlushResponse(dropped=result.dropped, busy=result.busy)
+
+    @unary
+    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        self._auth.check(context.invocation_metadata())
+        pin = self._directory.pin(
+            request.token_ids,
+            request.cache_salt,
+            request.public_prefix_tokens,
+            request.ttl_seconds,
+            PoolId(request.pool_id) or None,
+        )
+        return pb.PinResponse(
+            pin_id=pin.pin_id,
+            num_pinned_tokens=pin.num_pinned_tokens,
+            num_pinned_blocks=pin.num_pinned_blocks,
+            expires_in_seconds=pin.expires_in_seconds,
+        )
+
+    @unary
+    async def Unpin(self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResponse:
+        self._auth.check(context.invocation_metadata())
+        return pb.UnpinResponse(num_unpinned_blocks=self._directory.unpin(PinId(request.pin_id)))
+
+    @streaming
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        """Replay events after `after_sequence`, then stream new ones as they happen."""
+        self._auth.check(context.invocation_metadata())
+        pool_id = PoolId(request.pool_id) or None
+        if pool_id is not None:
+            self._directory.stats(pool_id)  # NotFound for an unknown pool
+        events = self._directory.events
+        wake = asyncio.Event()
+        events.subscribe(wake.set)
+        try:
+            cursor = request.after_sequence
+            while True:
+                wake.clear()
+                newest = events.last_sequence
+                for event in events.read(cursor, pool_id):
+                    yield messages.event_to(event)
+                cursor = newest  # read() covered every event up to `newest` (or reported a GAP)
+                await wake.wait()
+        finally:
+            events.unsubscribe(wake.set)
+
+
+class RoutingService(pb_grpc.RoutingServiceServicer):
+    def __init__(self, directory: BlockDirectory) -> None:
+        self._directory = directory
+
+    @unary
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        route = self._directory.route(request.token_ids, request.cache_salt, request.public_prefix_tokens)
+        return pb.RouteResponse(
+            pool_id=route.pool_id or "",
+            worker_address=route.worker_address or "",
+            num_cached_tokens=route.num_cached_tokens,
+            candidates=[messages.pool_match_to(m) for m in route.candidates],
+        )

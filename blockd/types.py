@@ -1,0 +1,231 @@
+"""Domain types of the block directory: ids, operations, results and errors.
+
+Everything here is plain data. The directory speaks only these types; the gRPC
+service translates protobuf messages to and from them, and maps the errors below
+to status codes (the only place that knows about gRPC).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+BlockId = NewType("BlockId", int)
+"""Index of a physical block in one worker's KV pool: 0 .. num_blocks - 1."""
+
+BlockHash = NewType("BlockHash", bytes)
+"""16-byte chained content hash of a full block (xxh3-128)."""
+
+PoolId = NewType("PoolId", str)
+SequenceId = NewType("SequenceId", int)
+PinId = NewType("PinId", str)
+
+# ---------------------------------------------------------------- errors
+
+
+class DirectoryError(Exception):
+    """A client mistake. The message says what to fix; the call changed nothing."""
+
+
+class InvalidArgument(DirectoryError):
+    """The request is malformed or contradicts the sequence's state."""
+
+
+class NotFound(DirectoryError):
+    """Unknown pool, sequence or pin."""
+
+
+class StaleEpoch(DirectoryError):
+    """The caller's epoch is not the pool's current one (its lease lapsed or the
+    pool was registered again): register again and resync."""
+
+
+class ResourceExhausted(DirectoryError):
+    """The pool cannot hold the request even when empty."""
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything besides tokens that changes a block's K/V (see directory.proto)."""
+
+    model_id: str = ""
+    model_revision: str = ""
+    dtype: str = ""
+    adapter_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitOp:
+    sequence_id: SequenceId
+    token_ids: Sequence[int]
+    cache_salt: str = ""
+    public_prefix_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GrowOp:
+    sequence_id: SequenceId
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOp:
+    sequence_id: SequenceId
+    block_ids: Sequence[int]
+    token_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOp:
+    sequence_id: SequenceId
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncSequence:
+    """A live sequence as the worker holds it: every token in token_ids is written."""
+
+    sequence_id: SequenceId
+    block_ids: Sequence[int]
+    token_ids: Sequence[int]
+    cache_salt: str = ""
+    public_prefix_tokens: int = 0
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    pool_id: PoolId
+    epoch: int
+    lease_ttl_seconds: float
+    max_sequence_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """`block_ids[i]` holds tokens [i*block_size, (i+1)*block_size); the first
+    `num_cached_tokens // block_size` of them are verified hits."""
+
+    sequence_id: SequenceId
+    admitted: bool
+    block_ids: tuple[BlockId, ...] = ()
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GrowResult:
+    sequence_id: SequenceId
+    grown: bool
+    new_block_ids: tuple[BlockId, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    grows: tuple[GrowResult, ...]
+    admits: tuple[AdmitResult, ...]
+    num_free_blocks: int
+    num_evictable_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncResult:
+    num_sequences: int
+    num_committed_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """Block accounting (free + evictable + referenced == num_blocks; pinned blocks
+    are part of referenced) and cumulative prefix-cache counters, in tokens."""
+
+    pool_id: PoolId | None  # None in a total over several pools
+    num_blocks: int
+    block_size: int  # 0 in a total over pools of different block sizes
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_referenced_blocks: int
+    num_pinned_blocks: int
+    num_cached_blocks: int
+    num_sequences: int
+    queried_tokens: int
+    hit_tokens: int
+    num_evictions: int
+    num_admissions: int
+    num_admissions_deferred: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    total: PoolStats
+    pools: tuple[PoolStats, ...]
+    last_event_sequence: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    pool_id: PoolId
+    epoch: int
+    namespace: Namespace
+    block_size: int
+    num_blocks: int
+    worker_address: str
+    lease_remaining_seconds: float
+    is_live: bool
+    stats: PoolStats
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    pool_id: PoolId
+    block_id: BlockId
+    block_hash: BlockHash
+    parent_hash: BlockHash | None  # None for a first block
+    token_ids: tuple[int, ...]
+    ref_count: int
+    is_pinned: bool
+    block_index: int
+    is_salted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPage:
+    blocks: tuple[BlockInfo, ...]
+    next_page_token: str | None  # None on the last page
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMatch:
+    pool_id: PoolId
+    worker_address: str
+    num_cached_tokens: int
+    load: float  # share of the pool's blocks that are referenced, 0..1
+    num_sequences: int
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The chosen pool (None when no live pool exists) and every candidate, best first."""
+
+    pool_id: PoolId | None
+    worker_address: str | None
+    num_cached_tokens: int
+    candidates: tuple[PoolMatch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    dropped: int  # unreferenced cached blocks dropped (now free)
+    busy: int  # matching cached blocks still referenced; they stay until released
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    pin_id: PinId
+    num_pinned_tokens: int  # summed over pools
+    num_pinned_blocks: int
+    expires_in_seconds: float

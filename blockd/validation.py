@@ -1,0 +1,188 @@
+"""Validate a whole Step or Resync before anything changes.
+
+A step's ops are checked together, simulating the order they will be applied in
+(commits, releases, grows, admits): a release frees its sequence id for an admit of
+the same step, a grow cannot reach a sequence released before it, and so on. Any
+bad op raises a `DirectoryError` and the pool is untouched; an op that passes can
+only fail for lack of free blocks, which is a per-op result, not an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from blockd.config import DirectoryConfig
+from blockd.hashing import TOKEN_BYTES, token_bytes
+from blockd.pool import BlockPool, ResyncPlan
+from blockd.prompt import Prompt, make_prompt
+from blockd.types import (
+    AdmitOp,
+    BlockId,
+    CommitOp,
+    GrowOp,
+    InvalidArgument,
+    NotFound,
+    ReleaseOp,
+    ResourceExhausted,
+    ResyncSequence,
+    SequenceId,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    commits: list[tuple[SequenceId, list[BlockId], bytes]]
+    releases: list[SequenceId]
+    grows: list[tuple[SequenceId, int]]
+    admits: list[tuple[SequenceId, Prompt]]
+
+
+def plan_step(
+    pool: BlockPool,
+    config: DirectoryConfig,
+    commits: Seq[CommitOp],
+    releases: Seq[ReleaseOp],
+    grows: Seq[GrowOp],
+    admits: Seq[AdmitOp],
+) -> StepPlan:
+    where = f"pool {pool.pool_id!r}"
+    released: set[SequenceId] = set()
+    next_commit: dict[SequenceId, int] = {}
+    plan = StepPlan([], [], [], [])
+    for op in commits:
+        plan.commits.append(_plan_commit(pool, op, next_commit))
+    for op in releases:
+        if op.sequence_id not in pool.sequences or op.sequence_id in released:
+            raise NotFound(
+                f"release: sequence {op.sequence_id} is not live in {where} "
+                f"(released already, or never admitted)"
+            )
+        released.add(op.sequence_id)
+        plan.releases.append(op.sequence_id)
+    for op in grows:
+        if op.sequence_id not in pool.sequences or op.sequence_id in released:
+            raise NotFound(f"grow: sequence {op.sequence_id} is not live in {where}")
+        _check_num_tokens(pool, config, op.num_tokens, f"grow of sequence {op.sequence_id}")
+        plan.grows.append((op.sequence_id, op.num_tokens))
+    admitted: set[SequenceId] = set()
+    for op in admits:
+        sequence_id = op.sequence_id
+        if (sequence_id in pool.sequences and sequence_id not in released) or sequence_id in admitted:
+            raise InvalidArgument(
+                f"admit: sequence id {sequence_id} is already live in {where}; "
+                f"ids must be unique among live sequences"
+            )
+        admitted.add(sequence_id)
+        what = f"admit of sequence {sequence_id}"
+        prompt = make_prompt(
+            op.token_ids, op.cache_salt, op.public_prefix_tokens, config.max_sequence_tokens, what
+        )
+        _check_num_tokens(pool, config, prompt.num_tokens, what)
+        plan.admits.append((sequence_id, prompt))
+    return plan
+
+
+def plan_resync(pool: BlockPool, config: DirectoryConfig, sequences: Seq[ResyncSequence]) -> list[ResyncPlan]:
+    """Check that the declared sequences fit the (empty) pool: ids in range, unique
+    sequence ids, enough blocks for the tokens, and a block held by several sequences
+    only as the same full block (same position, parent block, tokens and salt)."""
+    plans: list[ResyncPlan] = []
+    seen_sequences: set[SequenceId] = set()
+    # block id -> (sequence id, identity of the full block, or None for a partial one)
+    holders: dict[int, tuple[SequenceId, tuple | None]] = {}
+    width = pool.block_size * TOKEN_BYTES
+    for seq in sequences:
+        what = f"resync of sequence {seq.sequence_id}"
+        if seq.sequence_id in seen_sequences:
+            raise InvalidArgument(f"{what}: sequence id declared twice")
+        seen_sequences.add(seq.sequence_id)
+        prompt = make_prompt(
+            seq.token_ids, seq.cache_salt, seq.public_prefix_tokens, config.max_sequence_tokens, what
+        )
+        block_ids = [BlockId(b) for b in seq.block_ids]
+        if len(block_ids) < pool.num_blocks_for(prompt.num_tokens):
+            raise InvalidArgument(
+                f"{what}: {len(block_ids)} blocks cannot hold {prompt.num_tokens} tokens "
+                f"of {pool.block_size} per block"
+            )
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgument(f"{what}: a block id appears twice in its table")
+        salt_block = prompt.salt_block(pool.block_size)
+        num_full = len(prompt.token_bytes) // width
+        for i, block_id in enumerate(block_ids):
+            if not 0 <= block_id < pool.num_blocks:
+                raise InvalidArgument(
+                    f"{what}: block id {block_id} is outside the pool (0 .. {pool.num_blocks - 1})"
+                )
+            identity = None
+            if i < num_full:
+                identity = (
+                    i,
+                    block_ids[i - 1] if i else None,
+                    prompt.token_bytes[i * width : (i + 1) * width],
+                    prompt.salt if i == salt_block else None,
+                )
+            other = holders.get(block_id)
+            if other is not None and (identity is None or other[1] != identity):
+                raise InvalidArgument(
+                    f"{what}: block {block_id} is also held by sequence {other[0]}; "
+                    f"only identical full blocks of a shared prefix may be shared"
+                )
+            holders[block_id] = (seq.sequence_id, identity)
+        plans.append(ResyncPlan(seq.sequence_id, block_ids, prompt))
+    return plans
+
+
+def _plan_commit(
+    pool: BlockPool, op: CommitOp, next_commit: dict[SequenceId, int]
+) -> tuple[SequenceId, list[BlockId], bytes]:
+    what = f"commit of sequence {op.sequence_id}"
+    sequence = pool.sequences.get(op.sequence_id)
+    if sequence is None:
+        raise NotFound(f"{what}: the sequence is not live in pool {pool.pool_id!r}")
+    block_ids = [BlockId(b) for b in op.block_ids]
+    table = sequence.block_ids
+    start = next_commit.get(op.sequence_id, sequence.num_committed)
+    foreign = set(block_ids).difference(table)
+    if foreign:
+        raise InvalidArgument(
+            f"{what}: foreign block(s) {sorted(foreign)[:8]} are not in the sequence's block table"
+        )
+    if block_ids != table[start : start + len(block_ids)]:
+        first = f"block {table[start]}" if start < len(table) else "none: every block is committed"
+        raise InvalidArgument(
+            f"{what}: block_ids must be the run of the table from its first "
+            f"uncommitted block (index {start}, {first}); got {block_ids[:8]}"
+        )
+    data = token_bytes(op.token_ids)
+    width = pool.block_size * TOKEN_BYTES
+    if len(data) != len(block_ids) * width:
+        raise InvalidArgument(
+            f"{what}: partial block: {len(block_ids)} blocks need exactly "
+            f"{len(block_ids) * pool.block_size} tokens, got {len(op.token_ids)}"
+        )
+    known = sequence.token_bytes
+    offset = start * width
+    overlap = max(0, min(len(data), len(known) - offset))
+    if data[:overlap] != known[offset : offset + overlap]:
+        raise InvalidArgument(
+            f"{what}: tokens differ from the sequence's prompt where they overlap "
+            f"(from token {start * pool.block_size})"
+        )
+    next_commit[op.sequence_id] = start + len(block_ids)
+    return op.sequence_id, block_ids, data
+
+
+def _check_num_tokens(pool: BlockPool, config: DirectoryConfig, num_tokens: int, what: str) -> None:
+    if not 0 <= num_tokens <= config.max_sequence_tokens:
+        raise InvalidArgument(
+            f"{what}: {num_tokens} tokens is outside 0 .. {config.max_sequence_tokens} "
+            f"(blockd --max-sequence-tokens)"
+        )
+    needed = pool.num_blocks_for(num_tokens)
+    if needed > pool.num_blocks:
+        raise ResourceExhausted(
+            f"{what}: {num_tokens} tokens need {needed} blocks of {pool.block_size} "
+            f"tokens but pool {pool.pool_id!r} has only {pool.num_blocks} blocks"
+        )
