@@ -25,7 +25,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits.float() / p.temperature  # (V,)
+    # Shift by the max first: a tiny temperature then sends the others to -inf, not
+    # everything to inf (which would make the softmax NaN).
+    logits = logits.float()
+    scaled = (logits - logits.max()) / p.temperature  # (V,)
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -189,17 +189,31 @@ class Scheduler:
         self.waiting.extendleft(reversed([s for s in returned if not s.is_finished]))
 
     def live_sequences(self) -> list[LiveSequence]:
-        """Running sequences as blockd must know them after a restart."""
+        """Running sequences as blockd must know them after a restart. One with no K/V
+        written yet (admitted, still waiting for its first prefill chunk) is left out:
+        blockd refuses an empty token list, and `on_resynced` admits it again."""
         return [
             LiveSequence(seq.seq_id, list(seq.block_table), seq.token_ids[:seq.num_computed_tokens],
                          seq.cache_salt, seq.public_prefix_tokens)
-            for seq in self.running
+            for seq in self.running if seq.num_computed_tokens > 0
         ]
 
-    def on_resynced(self) -> None:
-        """Resync re-declared every running sequence and committed its written blocks."""
+    def on_resynced(self, declared: list[LiveSequence]) -> None:
+        """blockd now knows exactly the `declared` sequences, their written blocks committed.
+        A running sequence left out goes back to the front of the waiting queue; a release
+        is kept only for a declared sequence that finished during the recovery (its client
+        cancelled), else blockd would hold its blocks forever."""
+        declared_ids = {live.seq_id for live in declared}
         self._pending_commits.clear()
-        self._pending_releases.clear()
+        self._pending_releases = [seq_id for seq_id in self._pending_releases if seq_id in declared_ids]
+        requeued = [seq for seq in self.running if seq.seq_id not in declared_ids]
+        for seq in requeued:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.block_table = []
+            seq.num_computed_tokens = 0
+            seq.num_committed_blocks = 0
+        self.waiting.extendleft(reversed(requeued))
         for seq in self.running:
             seq.num_committed_blocks = seq.num_full_blocks()
 

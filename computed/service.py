@@ -24,6 +24,13 @@ log = structlog.get_logger("computed.service")
 DEFAULT_MAX_TOKENS = 64
 MAX_SALT_BYTES = 1024
 MAX_MESSAGES = 1024
+# The request id is echoed in every response message: unbounded, a 16 MiB id would turn
+# each generated token into a 16 MiB message.
+MAX_REQUEST_ID_CHARS = 256
+# A positive temperature below this samples greedily (its limit): dividing logits by a
+# denormal such as 1e-45 overflows float32 to inf, the softmax turns NaN and every step
+# of the batch would fail. vLLM's _SAMPLING_EPS is the same.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt = self._prompt_tokens(request)
             params = self._sampling_params(request, len(prompt))
             salt = _check_salt(request.cache_salt)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise RequestError(f"request_id is over {MAX_REQUEST_ID_CHARS} characters "
+                                   f"(it is echoed in every response)")
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
@@ -153,7 +163,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 raise RequestError(f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=request.temperature if request.HasField("temperature") else 0.0,
+            temperature=_effective_temperature(request),
             top_p=request.top_p if request.HasField("top_p") else 1.0,
             top_k=request.top_k if request.HasField("top_k") else 0,
             seed=request.seed if request.HasField("seed") else None,
@@ -178,6 +188,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - templates raise whatever they like
             raise RequestError(f"chat template refused the messages: {exc}") from exc
+
+
+def _effective_temperature(request: pb.GenerateRequest) -> float:
+    temperature = request.temperature if request.HasField("temperature") else 0.0
+    return 0.0 if 0.0 < temperature < MIN_SAMPLING_TEMPERATURE else temperature
 
 
 def _check_salt(salt: str) -> str:
