@@ -222,8 +222,18 @@ class Engine:
     async def _forward(self, chunks: list[ScheduledChunk]) -> None:
         batch = self.runner.prepare(chunks)
         started = time.monotonic()
-        sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
-        self.stats.forward_seconds += time.monotonic() - started
+        try:
+            sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
+        except Exception:  # noqa: BLE001 - fail these requests, keep serving the others
+            log.exception("forward_failed", sequences=[c.seq.seq_id for c in chunks])
+            for chunk in chunks:
+                req = self._requests.get(chunk.seq.seq_id)
+                self.scheduler.finish(chunk.seq, "error")
+                if req is not None:
+                    self._finish(req, "error", stopped=True)
+            return
+        finally:
+            self.stats.forward_seconds += time.monotonic() - started
         for chunk in chunks:  # counted before on_forward_done appends the new tokens
             if chunk.seq.num_completion_tokens > 0:
                 self.stats.num_decode_tokens += chunk.num_tokens

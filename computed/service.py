@@ -89,6 +89,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 while not queue.empty():  # a slow reader gets the backlog as one message
                     chunks.append(queue.get_nowait())
                 finished = chunks[-1].finish_reason is not None
+                if chunks[-1].finish_reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        "the model failed on this request's batch; see computed's log")
                 yield _response(request_id, chunks)
         finally:
             if not finished:
