@@ -6,6 +6,7 @@ INVALID_ARGUMENT, CapacityError -> RESOURCE_EXHAUSTED, draining -> UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -69,7 +70,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if not self.engine.is_accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "computed is shutting down; retry elsewhere")
         try:
-            prompt = self._prompt_tokens(request)
+            # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
+            prompt = await asyncio.to_thread(self._prompt_tokens, request)
             params = self._sampling_params(request, len(prompt))
             salt = _check_salt(request.cache_salt)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
