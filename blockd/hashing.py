@@ -4,10 +4,13 @@
     h_i    = H(h_{i-1} | salt_tag_i | tokens of block i as uint32 little-endian)
 
 `salt_tag_i` is b"\\x01" + u32 length + the UTF-8 salt for the one block the salt is
-mixed into, and b"\\x00" for every other block. Every field before the tokens has a
-fixed or prefixed length, so two different inputs never encode to the same bytes:
-salt "ab" never meets salt "a" followed by other bytes, and an empty salt is no
-salt. No random seed: hashes are equal across processes and restarts.
+mixed into, and empty for every other block. The encoding is unambiguous: the
+parent hash has 16 bytes and the tokens of a block exactly 4 * block_size (fixed
+by the namespace), so an input's length says whether a salt is present, and the
+salt is length-prefixed: salt "ab" never meets salt "a" followed by other bytes.
+An empty salt is no salt. (No tag byte on unsalted blocks: it would cost a second
+concatenation per block on the hot path.) No random seed: hashes are equal across
+processes and restarts.
 
 Hashes only find candidates; the directory verifies every hit exactly (parent
 block, tokens, salt), so a collision costs a miss, never wrong K/V. Tests prove it
@@ -28,7 +31,7 @@ Digest = Callable[[bytes], bytes]
 
 HASH_BYTES = 16
 TOKEN_BYTES = 4  # one uint32 per token
-UNSALTED_TAG = b"\x00"
+UNSALTED_TAG = b""  # see the module docstring: lengths disambiguate
 _NAMESPACE_TAG = b"kvcache.v1/namespace"
 
 assert array("I").itemsize == TOKEN_BYTES, "array('I') must hold uint32 on this platform"

@@ -117,7 +117,7 @@ class BlockPool:
                 block_hash = digest(parent_hash + salted_tag + chunk)
                 mixed_salt: str | None = prompt.salt
             else:
-                block_hash = digest(parent_hash + UNSALTED_TAG + chunk)
+                block_hash = digest(parent_hash + chunk)  # UNSALTED_TAG is empty
                 mixed_salt = None
             block = index_get(block_hash)
             if (

@@ -91,7 +91,6 @@ class DirectoryMachine(RuleBasedStateMachine):
         pinned = {b for b, n in holders.items() if n > sum(b in s.table for s in self.live.values())}
         return held | pinned
 
-
     def commit_next(self, sequence_id: int, count: int) -> None:
         """The worker's forward step wrote `count` more full blocks: commit them."""
         seq = self.live[sequence_id]
