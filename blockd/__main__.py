@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="which unreferenced cached leaf goes first [BLOCKD_EVICTION_POLICY; lru]",
     )
     parser.add_argument(
+        "--event-log-capacity",
+        type=int,
+        metavar="N",
+        default=_env("EVENT_LOG_CAPACITY", str(defaults.event_log_capacity)),
+        help="events kept for WatchEvents replay; an older resume point gets a GAP "
+        f"[BLOCKD_EVENT_LOG_CAPACITY; {defaults.event_log_capacity}]",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         default=_env("READY_FILE"),
@@ -126,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         max_sequence_tokens=args.max_sequence_tokens,
         lease_ttl_seconds=args.lease_ttl,
         eviction_policy=args.eviction_policy,
+        event_log_capacity=args.event_log_capacity,
         # Epochs start at the wall clock (ms) so they keep growing across restarts.
         initial_epoch=int(time.time() * 1000),
     )
@@ -139,6 +148,10 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         tls=tls,
         shutdown_grace_seconds=args.shutdown_grace,
         directory=directory,
+        # Test hook only: keep this many bytes of each block hash so collisions happen
+        # (exact verification must turn every one into a miss).
+        test_hash_bytes=int(os.environ["BLOCKD_TEST_HASH_BYTES"]) if os.environ.get("BLOCKD_TEST_HASH_BYTES")
+        else None,
     )
 
 

@@ -32,6 +32,9 @@ class DirectoryConfig:
     # Epoch given to a pool id the directory has never seen. The server passes the
     # wall clock in ms so epochs keep growing across blockd restarts (fencing).
     initial_epoch: int = 1
+    # Pool records kept (live pools and tombstones of lapsed ones). When full, the
+    # tombstone that lapsed first is forgotten; with only live pools, RESOURCE_EXHAUSTED.
+    max_pools: int = 1_024
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sequence_tokens <= 16_777_216:
@@ -79,6 +82,8 @@ class BlockdConfig:
     # Seconds in-flight calls get to finish on SIGTERM/SIGINT.
     shutdown_grace_seconds: float = 5.0
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
+    # Test hook (env BLOCKD_TEST_HASH_BYTES): truncate block hashes to force collisions.
+    test_hash_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -87,6 +92,8 @@ class BlockdConfig:
             raise ValueError("admin token must not be blank (omit it to disable admin auth)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65_535:
             raise ValueError(f"metrics port must be 0 .. 65535, got {self.metrics_port}")
+        if self.test_hash_bytes is not None and not 1 <= self.test_hash_bytes <= 16:
+            raise ValueError(f"BLOCKD_TEST_HASH_BYTES must be 1 .. 16, got {self.test_hash_bytes}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if not 0 <= self.shutdown_grace_seconds <= 300:

@@ -46,6 +46,7 @@ from blockd.types import (
     PoolStats,
     Registration,
     ReleaseOp,
+    ResourceExhausted,
     ResyncResult,
     ResyncSequence,
     Route,
@@ -122,10 +123,12 @@ class BlockDirectory:
                 raise InvalidArgument(f"{name} is longer than {MAX_NAME_CHARS} characters")
         if pool_id is not None and not _POOL_ID.fullmatch(pool_id):
             raise InvalidArgument(
-                f"pool_id {pool_id!r} must be 1-128 characters of A-Z a-z 0-9 . _ : - "
+                f"pool_id {_shown(pool_id)} must be 1-128 characters of A-Z a-z 0-9 . _ : - "
                 f"starting with a letter or digit (or empty to get a new id)"
             )
         pool_id = pool_id if pool_id is not None else self._new_pool_id()
+        if pool_id not in self._slots:
+            self._make_room_for_a_pool()
         old = self._slots.get(pool_id)
         if old is not None:
             self._retire(old)
@@ -352,19 +355,19 @@ class BlockDirectory:
         slot = self._slots.get(pool_id)
         if slot is None:
             raise NotFound(
-                f"unknown pool {pool_id!r}: call RegisterPool (pool_id={pool_id!r} keeps the id), "
+                f"unknown pool {_shown(pool_id)}: call RegisterPool (pool_id={_shown(pool_id)} keeps the id), "
                 f"then Resync the live sequences"
             )
         if slot.is_live and slot.lease_expires_at <= self._clock():
             self._expire(slot)
         if not slot.is_live:
             raise StaleEpoch(
-                f"the lease of pool {pool_id!r} lapsed and its blocks were dropped: call "
-                f"RegisterPool with pool_id={pool_id!r}, then Resync"
+                f"the lease of pool {_shown(pool_id)} lapsed and its blocks were dropped: call "
+                f"RegisterPool with pool_id={_shown(pool_id)}, then Resync"
             )
         if epoch != slot.epoch:
             raise StaleEpoch(
-                f"epoch {epoch} of pool {pool_id!r} is stale (current: {slot.epoch}); "
+                f"epoch {epoch} of pool {_shown(pool_id)} is stale (current: {slot.epoch}); "
                 f"the pool was registered again: use the epoch RegisterPool returned"
             )
         return slot
@@ -372,7 +375,7 @@ class BlockDirectory:
     def _known_slot(self, pool_id: PoolId) -> PoolSlot:
         slot = self._slots.get(pool_id)
         if slot is None:
-            raise NotFound(f"unknown pool {pool_id!r}; ListPools shows the known ones")
+            raise NotFound(f"unknown pool {_shown(pool_id)}; ListPools shows the known ones")
         return slot
 
     def _live_slots(self, pool_id: PoolId | None) -> list[PoolSlot]:
@@ -386,10 +389,25 @@ class BlockDirectory:
             num_cached_tokens = len(pool.match(prompt)) * pool.block_size
             matches.append(
                 PoolMatch(
-                    pool.pool_id, slot.worker_address, num_cached_tokens, pool.load, len(pool.sequences)
+                    pool.pool_id,
+                    slot.worker_address,
+                    num_cached_tokens,
+                    pool.load,
+                    len(pool.sequences),
+                    len(pool.index) / pool.num_blocks,
                 )
             )
         return matches
+
+    def _make_room_for_a_pool(self) -> None:
+        if len(self._slots) < self.config.max_pools:
+            return
+        tombstones = [(slot.lease_expires_at, pid) for pid, slot in self._slots.items() if not slot.is_live]
+        if not tombstones:
+            raise ResourceExhausted(
+                f"blockd already serves {len(self._slots)} live pools (its limit); retire a worker first"
+            )
+        del self._slots[min(tombstones)[1]]
 
     def _expire(self, slot: PoolSlot) -> None:
         """The worker is gone: drop its references, sequences and index under a new epoch."""
@@ -479,3 +497,8 @@ def _decode_page_token(token: str) -> tuple[str, int]:
     except (ValueError, TypeError, binascii.Error):
         pass
     raise InvalidArgument("page_token is not one this server issued; pass the previous next_page_token")
+
+
+def _shown(pool_id: str) -> str:
+    """A client-sent id as it appears in messages: never long enough to drown them."""
+    return repr(pool_id) if len(pool_id) <= 64 else f"{pool_id[:32]!r}... ({len(pool_id)} characters)"

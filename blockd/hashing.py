@@ -129,6 +129,13 @@ class BlockHasher:
 DEFAULT_HASHER = BlockHasher()
 
 
+def truncated_hasher(num_bytes: int) -> BlockHasher:
+    """A test hook: xxh3-128 cut to `num_bytes` (zero-padded), so collisions are common."""
+    assert 1 <= num_bytes <= HASH_BYTES, f"keep 1 .. {HASH_BYTES} bytes, got {num_bytes}"
+    pad = bytes(HASH_BYTES - num_bytes)
+    return BlockHasher(lambda data: xxhash.xxh3_128_digest(data)[:num_bytes] + pad)
+
+
 def namespace_seed(namespace: Namespace, block_size: int) -> BlockHash:
     """h_{-1} with the default (xxh3-128) hasher."""
     return DEFAULT_HASHER.namespace_seed(namespace, block_size)

@@ -6,8 +6,10 @@ from blockd.types import PoolMatch
 
 
 def by_cached_prefix(matches: list[PoolMatch]) -> list[PoolMatch]:
-    """Longest cached prefix first; lower load, then pool id, break ties."""
-    return sorted(matches, key=lambda m: (-m.num_cached_tokens, m.load, m.pool_id))
+    """Longest cached prefix first; then lower load, then lower cache occupancy (a new
+    prefix spreads to the pool where it evicts least, instead of always the same one),
+    then pool id."""
+    return sorted(matches, key=lambda m: (-m.num_cached_tokens, m.load, m.occupancy, m.pool_id))
 
 
 def rank_for_route(matches: list[PoolMatch], load_margin: float) -> list[PoolMatch]:

@@ -19,8 +19,9 @@ from blockd.auth import AdminAuth
 from blockd.config import BlockdConfig, TlsConfig
 from blockd.directory import BlockDirectory
 from blockd.metrics import make_registry, start_metrics_server
-from blockd.service import BlockDirectoryService, DirectoryAdminService, RoutingService
-from kvcache.v1 import directory_pb2, directory_pb2_grpc
+from blockd.hashing import DEFAULT_HASHER, truncated_hasher
+from blockd.service import BlockDirectoryService, DirectoryAdminService, RoutingService, add_service
+from kvcache.v1 import directory_pb2
 
 log = structlog.get_logger("blockd.server")
 
@@ -94,18 +95,18 @@ class BlockdServer:
 def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) -> tuple[BlockdServer, str]:
     """Build (not start) blockd on `config.listen`; answers it and the bound address
     (with the real port when the configured one is 0)."""
-    directory = directory or BlockDirectory(config.directory)
+    if directory is None:
+        hasher = DEFAULT_HASHER if config.test_hash_bytes is None else truncated_hasher(config.test_hash_bytes)
+        directory = BlockDirectory(config.directory, hasher=hasher)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    directory_pb2_grpc.add_BlockDirectoryServiceServicer_to_server(BlockDirectoryService(directory), server)
-    directory_pb2_grpc.add_DirectoryAdminServiceServicer_to_server(
-        DirectoryAdminService(directory, AdminAuth(config.admin_token)), server
-    )
-    directory_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingService(directory), server)
+    add_service(BlockDirectoryService(directory), server, "BlockDirectoryService")
+    add_service(DirectoryAdminService(directory, AdminAuth(config.admin_token)), server, "DirectoryAdminService")
+    add_service(RoutingService(directory), server, "RoutingService")
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

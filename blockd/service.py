@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from blockd import messages
 from blockd.auth import AdminAuth, MissingCredentials, WrongCredentials
@@ -42,14 +44,38 @@ def _status_of(exc: Exception) -> grpc.StatusCode | None:
     return None
 
 
+# Status details travel in trailing metadata (16 KiB at most): a message that echoes a
+# huge client value must be cut, or the client sees a transport error instead.
+MAX_DETAILS_CHARS = 1_000
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    message_type: str
+    error: str
+
+
+def _details(text: str) -> str:
+    return text if len(text) <= MAX_DETAILS_CHARS else text[:MAX_DETAILS_CHARS] + "... (truncated)"
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     code = _status_of(exc)
     if code is None:
         log.exception("internal error", method=method)
         await context.abort(
-            grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+            grpc.StatusCode.INTERNAL, _details(f"internal error in {method}: {type(exc).__name__}: {exc}")
         )
-    await context.abort(code, str(exc))
+    await context.abort(code, _details(str(exc)))
+
+
+def _reject_malformed(request: Any) -> None:
+    if isinstance(request, Malformed):
+        raise InvalidArgument(
+            f"request is not a valid {request.message_type}: {request.error} (string fields must be UTF-8)"
+        )
 
 
 def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -58,6 +84,7 @@ def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]
     @functools.wraps(method)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _reject_malformed(request)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -73,6 +100,7 @@ def streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncI
     @functools.wraps(method)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            _reject_malformed(request)
             async for reply in method(self, request, context):
                 yield reply
         except grpc.aio.AbortError:
@@ -279,3 +307,34 @@ class RoutingService(pb_grpc.RoutingServiceServicer):
             num_cached_tokens=route.num_cached_tokens,
             candidates=[messages.pool_match_to(m) for m in route.candidates],
         )
+
+
+def add_service(servicer: Any, server: grpc.aio.Server, service_name: str) -> None:
+    """Register like the generated helper does, but hand undecodable requests to the
+    handler as `Malformed` (answered INVALID_ARGUMENT) instead of grpc's UNKNOWN."""
+    service = pb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError, UnicodeDecodeError) as exc:
+            return Malformed(message_cls.DESCRIPTOR.name, str(exc) or type(exc).__name__)
+
+    return deserialize

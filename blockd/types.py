@@ -205,6 +205,9 @@ class PoolMatch:
     num_cached_tokens: int
     load: float  # share of the pool's blocks that are referenced, 0..1
     num_sequences: int
+    # Share of the pool's blocks holding cached content, 0..1: a new prefix goes where
+    # it evicts the least (internal tie-break; not part of the wire message).
+    occupancy: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

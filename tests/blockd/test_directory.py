@@ -568,3 +568,25 @@ def _resync_of(sequence_id, block_ids, tokens):
 def _without_counters(snap: tuple) -> tuple:
     pools, pins, last = snap
     return tuple(p[:-1] for p in pools), pins, last
+
+
+def test_pool_records_are_bounded_tombstones_forgotten_first():
+    """Registering pools over and over cannot grow blockd without bound."""
+    from blockd.config import DirectoryConfig
+    from blockd.directory import BlockDirectory
+    from blockd.types import Namespace, ResourceExhausted
+
+    now = [0.0]
+    d = BlockDirectory(DirectoryConfig(max_pools=3, lease_ttl_seconds=1.0), clock=lambda: now[0])
+    first = d.register_pool(4, 4, Namespace("m"))
+    now[0] = 0.5
+    d.register_pool(4, 4, Namespace("m"))
+    now[0] = 2.0  # the first lease lapsed; the second not yet renewed either
+    d.expire_leases()
+    third = d.register_pool(4, 4, Namespace("m"))
+    fourth = d.register_pool(4, 4, Namespace("m"))  # forgets the oldest tombstone
+    ids = {p.pool_id for p in d.list_pools()}
+    assert first.pool_id not in ids and {third.pool_id, fourth.pool_id} <= ids
+    d.register_pool(4, 4, Namespace("m"))  # forgets the other tombstone
+    with pytest.raises(ResourceExhausted, match="live pools"):
+        d.register_pool(4, 4, Namespace("m"))
