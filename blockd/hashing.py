@@ -23,6 +23,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from blockd.types import BlockHash, InvalidArgument, Namespace
@@ -38,7 +39,15 @@ assert array("I").itemsize == TOKEN_BYTES, "array('I') must hold uint32 on this 
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """The tokens as uint32 little-endian bytes, converted once and sliced per block."""
+    """The tokens as uint32 little-endian bytes, converted once and sliced per block.
+
+    A protobuf repeated field converts ~50x faster through numpy than element by
+    element (its values are uint32 already); plain lists take the array path."""
+    if not isinstance(token_ids, (list, tuple)):
+        try:
+            return np.asarray(token_ids, dtype="<u4").tobytes()
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"token ids must be integers in 0 .. 4294967295: {exc}") from None
     try:
         packed = array("I", token_ids)
     except (OverflowError, TypeError) as exc:
