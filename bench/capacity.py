@@ -1,0 +1,58 @@
+"""5. blockd capacity: the figures of bench.blockd_grpc and bench.blockd_core (owned elsewhere).
+
+Each module's `main(quick)` answers a dict of figures; a module that is missing or
+raises is reported as such in the table (this benchmark never raises for them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import traceback
+
+from bench.context import BenchContext
+from bench.report import BenchResult, Figure, Goal
+
+TITLE = "5. blockd capacity"
+
+# (module, figure key, shown name, unit, goal) for the headline rows; all keys go to details.
+HEADLINES = {
+    "bench.blockd_grpc": [
+        ("batched_admissions_per_s", "gRPC admissions/s, 4,096-token prompts, 8 workers", "/s", None),
+        ("step_p50_ms", "gRPC Step p50 latency", "ms", None),
+        ("step_p99_ms", "gRPC Step p99 latency", "ms", None),
+        ("batched_over_naive", "batched Step ÷ one call per block (admissions/s)", "x", None),
+    ],
+    "bench.blockd_core": [
+        ("warm_admit_release_us", "core admit+release, 4,096 tokens all hit (median)", "µs", Goal("<=", 200.0)),
+        ("cold_admit_release_us", "core admit+release, 4,096 tokens all miss (median)", "µs", None),
+    ],
+}
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    figures: list[Figure] = []
+    sections: list[str] = []
+    for module_name, headlines in HEADLINES.items():
+        try:
+            module = importlib.import_module(module_name)
+            data = module.main(ctx.quick)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, not raised
+            traceback.print_exc()
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            figures.append(Figure(f"{module_name}", f"not measured ({reason})"))
+            sections.append(f"`{module_name}.main({ctx.quick})` failed: `{reason}`")
+            continue
+        for key, name, unit, goal in headlines:
+            value = data.get(key)
+            figures.append(Figure(name, value if value is not None else f"missing key {key!r}", unit,
+                                  goal if value is not None else None))
+        table = ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in data.items()]
+        sections.append(f"`{module_name}.main({ctx.quick})`: {_first_line(module)}\n\n" + "\n".join(table))
+    details = ("Figures of the blockd benchmarks (their modules are owned by the blockd engineer; "
+               "this harness only runs them).\n\n" + "\n\n".join(sections))
+    return BenchResult("capacity", TITLE, figures, details)
+
+
+def _first_line(module) -> str:
+    doc = (module.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""

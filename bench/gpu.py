@@ -1,0 +1,121 @@
+"""8. GPU mode: a Qwen3-0.6B-shaped model (random bf16 weights) on nano-vllm's published workload.
+
+nano-vllm's bench.py: 256 sequences, input and output lengths uniform in 100-1,024,
+random token ids in 0-10,000, EOS ignored. Ours: both daemons, computed on CUDA in
+bfloat16, all 256 as concurrent gRPC streams. Transformers: the same checkpoint in
+bfloat16 on the same GPU, batched greedy `generate` (batch 64, prompts sorted by
+output length so a batch wastes few steps; only the tokens each prompt asked for count).
+Greedy on both sides (nano-vllm samples at temperature 0.6: same work per token).
+Without CUDA the section says it was skipped and why.
+"""
+
+from __future__ import annotations
+
+import random
+
+from bench.context import BenchContext
+from bench.driver import run_sync
+from bench.hf_baseline import HfGenerator
+from bench.report import BenchResult, Figure
+from bench.stack import Stack
+
+TITLE = "8. GPU mode"
+
+# Qwen3-0.6B's published config (hidden 1024, 28 layers, 16/8 heads of 128, vocab 151,936).
+QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+              "max_position_embeddings": 40_960, "tie_word_embeddings": True, "rope_theta": 1_000_000.0}
+HF_BATCH = 64
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = (f"skipped: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                  f"{'a CPU-only build' if torch.version.cuda is None else 'no usable CUDA device'})")
+        return BenchResult("gpu", TITLE, [Figure("GPU throughput", reason)],
+                           "This machine has no GPU, so the GPU workload did not run. On a CUDA host, "
+                           "`python -m bench --only gpu` runs it.")
+    num_seqs = 32 if ctx.quick else 256
+    return measure(ctx, "cuda", QWEN3_0_6B, num_seqs, max_len=1024)
+
+
+def workload(num_seqs: int, max_len: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's: lengths uniform in 100..max_len, ids in 0..10,000."""
+    rng = random.Random(seed)
+    low = min(100, max_len)
+    prompts = [[rng.randint(0, 10_000) for _ in range(rng.randint(low, max_len))] for _ in range(num_seqs)]
+    outputs = [rng.randint(low, max_len) for _ in range(num_seqs)]
+    return prompts, outputs
+
+
+def measure(ctx: BenchContext, device: str, overrides: dict, num_seqs: int, max_len: int) -> BenchResult:
+    """The workload on `device` (a CPU run with a tiny shape checks the wiring)."""
+    import torch
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model_dir = build_checkpoint(ctx.scratch("gpu") / "qwen3", overrides, dtype)
+    prompts, outputs = workload(num_seqs, max_len)
+    num_tokens = sum(len(p) + o for p, o in zip(prompts, outputs))
+    args = ("--device", device, "--dtype", dtype, "--max-num-seqs", str(num_seqs),
+            "--max-num-batched-tokens", "16384", "--max-model-len", str(2 * max_len + 16))
+    if device == "cpu":
+        args += ("--num-blocks", str(num_tokens // 16 + 2 * num_seqs + 64))
+    with Stack(ctx.scratch("gpu"), *args, model=model_dir, threads=ctx.threads) as stack:
+        run_sync(stack.computed_address, [prompts[0][:32]], 4, 1)  # warm-up
+        ours = _run_ours(stack.computed_address, prompts, outputs)
+    hf = HfGenerator(model_dir, dtype=dtype, device=device)
+    hf.generate([prompts[0][:32]], 4, 1)  # warm-up
+    order = sorted(range(num_seqs), key=lambda i: outputs[i])
+    theirs = hf.generate([prompts[i] for i in order], [outputs[i] for i in order], HF_BATCH)
+    total = sum(outputs)
+    assert theirs.num_output_tokens == total
+    ours_tps, hf_tps = total / ours, total / theirs.wall_s
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    figures = [Figure("ours ÷ transformers, output tok/s", round(ours_tps / hf_tps, 2), "x"),
+               Figure("ours, output tok/s", round(ours_tps, 1), "tok/s"),
+               Figure("transformers, output tok/s", round(hf_tps, 1), "tok/s")]
+    details = (f"{num_seqs} sequences, input and output lengths uniform in {min(100, max_len)}-{max_len}, "
+               f"{total:,} output "
+               f"tokens, on {gpu}; computed `{' '.join(args)}`; transformers batch {HF_BATCH}.")
+    return BenchResult("gpu", TITLE, figures, details)
+
+
+def build_checkpoint(path, overrides: dict, dtype: str):
+    """A Qwen3 checkpoint with transformers' own random init (std 0.02, so activations stay
+    finite through 28 layers) saved in `dtype`, with the test models' tokenizer files."""
+    import torch
+    import transformers
+
+    from tests.models import make_tiny_model
+
+    make_tiny_model(path, "qwen3", num_hidden_layers=1)  # tokenizer, generation config
+    tiny = transformers.AutoConfig.from_pretrained(path)
+    config = transformers.Qwen3Config(**{**QWEN3_0_6B, **overrides, "bos_token_id": tiny.bos_token_id,
+                                         "eos_token_id": tiny.eos_token_id})
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    for stale in path.glob("*.safetensors*"):
+        stale.unlink()
+    model.save_pretrained(path)
+    return path
+
+
+def _run_ours(address: str, prompts: list[list[int]], outputs: list[int]) -> float:
+    """Wall seconds for all prompts at once, each with its own max_tokens."""
+    import asyncio
+    import time
+
+    from bench.driver import generate_one
+    from clients.aio_client import AsyncComputedClient
+
+    async def go() -> float:
+        async with AsyncComputedClient(address) as client:
+            started = time.perf_counter()
+            done = await asyncio.gather(*(generate_one(client, p, o) for p, o in zip(prompts, outputs)))
+            wall = time.perf_counter() - started
+            assert [d.completion_tokens for d in done] == outputs, "every request generates what it asked"
+            return wall
+
+    return asyncio.run(go())

@@ -1,0 +1,96 @@
+"""2. TTFT warm ÷ cold as the shared prefix grows (prefix + 64 new tokens), through gRPC.
+
+For each prefix length and repetition: a fresh random prefix; cold = the first request
+with it; warm = the same prefix + 64 different tokens, sent after the cold one finished
+(its prefix blocks are committed). One request at a time, max_tokens=1; TTFT is timed
+by the client (call -> first token). computed runs with --max-num-batched-tokens 8192
+so a 4K prefill is one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench.context import BenchContext
+from bench.driver import generate_one
+from bench.report import BenchResult, Figure, Goal, median
+from bench.stack import Stack
+from bench.workloads import shared_prefix_prompts, unrelated_prompts
+from clients.aio_client import AsyncComputedClient
+
+TITLE = "2. TTFT warm ÷ cold"
+
+NEW_TOKENS = 64
+GOAL_AT_4K = 0.05
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    sizes = [256, 1024] if ctx.quick else [256, 512, 1024, 2048, 4096]
+    repeats = 3 if ctx.quick else 5
+    args = ("--max-num-batched-tokens", "8192", "--num-blocks", "4096")
+    with Stack(ctx.scratch("ttft"), *args, threads=ctx.threads) as stack:
+        samples = asyncio.run(_measure(stack.computed_address, sizes, repeats))
+    rows = []
+    for size in sizes:
+        cold = [c for c, _ in samples[size]]
+        warm = [w for _, w in samples[size]]
+        rows.append((size, median(cold), median(warm), median(w / c for c, w in samples[size])))
+    figures = []
+    for size, cold, warm, ratio in rows:
+        goal = Goal("<=", GOAL_AT_4K) if size == 4096 else None
+        figures.append(Figure(f"TTFT warm ÷ cold, {size}-token prefix", round(ratio, 4), "", goal))
+    table = ["| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm ÷ cold |", "|---|---|---|---|"]
+    table += [f"| {size:,} + {NEW_TOKENS} | {cold * 1e3:.1f} | {warm * 1e3:.1f} | {ratio:.4f} |"
+              for size, cold, warm, ratio in rows]
+    plot = "ttft_warm_over_cold.png"
+    _plot(rows, ctx.plot_dir / plot)
+    details = (f"Prefix lengths {', '.join(map(str, sizes))} + {NEW_TOKENS} new tokens; {repeats} fresh "
+               f"prefixes per length, medians (the ratio is the median of per-prefix ratios); default "
+               f"model; computed `{' '.join(args)}`.\n\n" + "\n".join(table))
+    return BenchResult("ttft", TITLE, figures, details, [plot])
+
+
+async def _measure(address: str, sizes: list[int], repeats: int) -> dict[int, list[tuple[float, float]]]:
+    async with AsyncComputedClient(address) as client:
+        for prompt in unrelated_prompts(98, 2, max(sizes) + NEW_TOKENS):  # warm-up: largest shapes
+            await generate_one(client, prompt, 1)
+        samples: dict[int, list[tuple[float, float]]] = {size: [] for size in sizes}
+        for rep in range(repeats):
+            for size in sizes:  # interleaved, so noise spreads over every size
+                cold_prompt, warm_prompt = shared_prefix_prompts(10_000 * rep + size, 2, size, NEW_TOKENS)
+                cold = await generate_one(client, cold_prompt, 1)
+                warm = await generate_one(client, warm_prompt, 1)
+                assert cold.cached_tokens == 0, f"a fresh prefix hit {cold.cached_tokens} tokens"
+                assert warm.cached_tokens >= size - size % 16, f"warm hit only {warm.cached_tokens}"
+                samples[size].append((cold.ttft_s, warm.ttft_s))
+        return samples
+
+
+def _plot(rows: list[tuple[int, float, float, float]], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter, NullLocator
+
+    sizes = [r[0] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(sizes, [r[1] * 1e3 for r in rows], "o-", label="cold (fresh prefix)")
+    left.plot(sizes, [r[2] * 1e3 for r in rows], "o-", label="warm (cached prefix)")
+    left.set(xscale="log", yscale="log", xlabel="shared prefix (tokens) + 64 new",
+             ylabel="time to first token (ms)", title="TTFT through gRPC")
+    left.legend()
+    right.plot(sizes, [r[3] for r in rows], "o-", color="C2", label="warm ÷ cold")
+    right.axhline(GOAL_AT_4K, color="grey", linestyle="--", label=f"goal at 4,096: ≤ {GOAL_AT_4K}")
+    right.set(xscale="log", yscale="log", xlabel="shared prefix (tokens) + 64 new", ylabel="warm ÷ cold",
+              title="TTFT ratio")
+    right.legend()
+    for ax in (left, right):
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
