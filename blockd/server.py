@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha import reflection
 from blockd.auth import AdminAuth
 from blockd.config import BlockdConfig, TlsConfig
 from blockd.directory import BlockDirectory
-from blockd.metrics import make_registry, start_metrics_server
 from blockd.hashing import DEFAULT_HASHER, truncated_hasher
+from blockd.metrics import make_registry, start_metrics_server
 from blockd.service import BlockDirectoryService, DirectoryAdminService, RoutingService, add_service
 from kvcache.v1 import directory_pb2
 

@@ -158,7 +158,7 @@ class Engine:
             started = time.monotonic()
             try:
                 progressed = await self._iteration()
-            except Exception:  # noqa: BLE001 - the loop must survive anything a step throws
+            except Exception:  # the loop must survive anything a step throws
                 log.exception("engine_step_failed")
                 await asyncio.sleep(0.1)
                 progressed = False
@@ -224,7 +224,7 @@ class Engine:
         started = time.monotonic()
         try:
             sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
-        except Exception:  # noqa: BLE001 - fail these requests, keep serving the others
+        except Exception:  # fail these requests, keep serving the others
             log.exception("forward_failed", sequences=[c.seq.seq_id for c in chunks])
             for chunk in chunks:
                 req = self._requests.get(chunk.seq.seq_id)

@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import structlog
 import torch
-from prometheus_client import CollectorRegistry
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec

@@ -191,7 +191,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             return self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - templates raise whatever they like
+        except Exception as exc:  # templates raise whatever they like
             raise RequestError(f"chat template refused the messages: {exc}") from exc
 
 

@@ -155,13 +155,13 @@ def test_no_block_referenced_after_requests(stack):
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(), "empty prompt"),
-    (dict(prompt_token_ids=[5, 6], max_tokens=0), "max_tokens"),
-    (dict(prompt_token_ids=[5, 6], temperature=-0.5), "temperature"),
-    (dict(prompt_token_ids=[5] * 5000), "context"),
-    (dict(prompt_token_ids=[10**6]), "out of range"),
-    (dict(prompt="x", prompt_token_ids=[5]), "exactly one"),
-    (dict(prompt_token_ids=[5], top_p=0.0), "top_p"),
+    ({}, "empty prompt"),
+    ({"prompt_token_ids": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"prompt_token_ids": [5, 6], "temperature": -0.5}, "temperature"),
+    ({"prompt_token_ids": [5] * 5000}, "context"),
+    ({"prompt_token_ids": [10**6]}, "out of range"),
+    ({"prompt": "x", "prompt_token_ids": [5]}, "exactly one"),
+    ({"prompt_token_ids": [5], "top_p": 0.0}, "top_p"),
 ])
 def test_bad_requests_are_invalid_argument(stack, kwargs, fragment):
     with pytest.raises(grpc.RpcError) as err:
@@ -205,7 +205,7 @@ def _metric(stack: Stack, name: str) -> float:
     port = _metrics_port(stack)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for line in body.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not exported:\n{body}")
 

@@ -73,7 +73,8 @@ class Harness:
         out: list[int | None] = []
         for chunk in chunks:
             seq, bs = chunk.seq, self.bs
-            slot = lambda p: seq.block_table[p // bs] * bs + p % bs  # noqa: E731
+            def slot(p: int, seq: Sequence = seq, bs: int = bs) -> int:
+                return seq.block_table[p // bs] * bs + p % bs
             for p in range(chunk.write_from):  # everything attended to but not written now
                 if p < chunk.end:
                     assert self.shadow.get(slot(p)) == seq.token_ids[p], f"seq {seq.seq_id} pos {p}: wrong K/V"
