@@ -36,6 +36,9 @@ import torch.nn.functional as F
 
 from computed.kv_pool import KVPool
 
+# Decode sequences that share leading blocks get cascade attention from this many on.
+MIN_CASCADE_SEQUENCES = 2
+
 
 @dataclass(frozen=True)
 class SpanInput:
@@ -78,6 +81,23 @@ class SequenceSpan:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Decode sequences of one step whose block tables start with the same blocks.
+
+    Cascade attention: their queries attend to the shared blocks in ONE batched call
+    (the prefix K/V is read from the pool once, not once per sequence), then each
+    attends to its own suffix, and the two halves are merged exactly through their
+    log-sum-exp. Invariant: every shared token precedes every member's query, so no
+    mask is needed over the shared part, and each member has a non-empty suffix.
+    """
+
+    span_indices: tuple[int, ...]  # members, in batch order
+    query_index: torch.Tensor  # (S,) int64 flat index of each member's (single) query token
+    block_table: torch.Tensor  # (num_blocks,) int64 the shared blocks
+    num_blocks: int
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     """Everything one forward needs to know about where K/V lives. Build with `build`.
 
@@ -92,6 +112,8 @@ class AttentionBatch:
     spans: tuple[SequenceSpan, ...]
     last_token_index: torch.Tensor  # (S,) int64 flat index of each sequence's last new token
     max_position: int  # max(positions), known without a device sync
+    # Groups of decode sequences sharing leading blocks (see SharedPrefix); may be empty.
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +168,7 @@ class AttentionBatch:
             spans=sequence_spans,
             last_token_index=torch.tensor([s + n - 1 for s, n, *_ in layout], dtype=torch.long, device=device),
             max_position=max(positions),
+            shared_prefixes=_shared_prefixes(spans, layout, block_size, device),
         )
 
 
@@ -163,7 +186,13 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
     _write(key_cache, value_cache, k_new, v_new, batch)
 
     out = torch.empty_like(q)
-    for span in batch.spans:
+    in_cascade: set[int] = set()
+    for group in batch.shared_prefixes:
+        out[group.query_index] = _cascade_decode(q, key_cache, value_cache, group, batch, scale)
+        in_cascade.update(group.span_indices)
+    for index, span in enumerate(batch.spans):
+        if index in in_cascade:
+            continue
         end = span.query_start + span.query_len
         # (nb, B, Hkv, D) -> (C, Hkv, D) -> (1, Hkv, C, D)
         k = key_cache[span.block_table].view(-1, num_kv_heads, head_dim)[: span.context_len]
@@ -174,6 +203,73 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[span.query_start:end] = o[0].transpose(0, 1)  # (Lq, H, D)
     return out
+
+
+def _cascade_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: SharedPrefix,
+                    batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """One query per member: attend to the shared blocks together, to each suffix alone,
+    and merge the halves by their log-sum-exp (exact, up to float rounding)."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    shared_len = group.num_blocks * batch.block_size
+    queries = q[group.query_index]  # (S, H, D)
+    k = key_cache[group.block_table].view(-1, num_kv_heads, head_dim)  # (P, Hkv, D), read once
+    v = value_cache[group.block_table].view(-1, num_kv_heads, head_dim)
+    out, lse = _attend_with_lse(queries, k, v, scale)  # (S, H, D), (S, H)
+    for row, index in enumerate(group.span_indices):
+        span = batch.spans[index]
+        table = span.block_table[group.num_blocks:]
+        suffix_len = span.context_len - shared_len
+        ks = key_cache[table].view(-1, num_kv_heads, head_dim)[:suffix_len]  # (L, Hkv, D)
+        vs = value_cache[table].view(-1, num_kv_heads, head_dim)[:suffix_len]
+        o2, lse2 = _attend_with_lse(queries[row:row + 1], ks, vs, scale)  # (1, H, D), (1, H)
+        top = torch.maximum(lse[row], lse2[0])  # (H,)
+        w1, w2 = (lse[row] - top).exp(), (lse2[0] - top).exp()
+        out[row] = (out[row] * w1[:, None] + o2[0] * w2[:, None]) / (w1 + w2)[:, None]
+    return out.to(q.dtype)
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of q (S, H, D) over k/v (N, Hkv, D) in float32, grouped-query.
+    Returns out (S, H, D) float32 and the log-sum-exp of the scores (S, H)."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.float().view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, Hkv, g, D)
+    scores = torch.einsum("skgd,nkd->skgn", qg, k.float()) * scale  # (S, Hkv, g, N)
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = (scores - top).exp()
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.einsum("skgn,nkd->skgd", weights, v.float()) / total  # (S, Hkv, g, D)
+    lse = (top + total.log()).squeeze(-1)  # (S, Hkv, g)
+    return out.reshape(num_queries, num_heads, head_dim), lse.reshape(num_queries, num_heads)
+
+
+def _shared_prefixes(spans: Sequence[SpanInput], layout: list[tuple[int, int, int, int, int]], block_size: int,
+                     device: torch.device) -> tuple[SharedPrefix, ...]:
+    """Group single-token (decode) spans by their first block; keep groups of at least
+    MIN_CASCADE_SEQUENCES whose common leading blocks all precede every member's query."""
+    by_first: dict[int, list[int]] = {}
+    for index, span in enumerate(spans):
+        if span.num_new_tokens == 1 and layout[index][2] > block_size:
+            by_first.setdefault(span.block_table[0], []).append(index)
+    groups = []
+    for members in by_first.values():
+        if len(members) < MIN_CASCADE_SEQUENCES:
+            continue
+        # Shared blocks must lie wholly before each member's query (a non-empty suffix).
+        limit = min((layout[i][2] - 1) // block_size for i in members)
+        first = spans[members[0]].block_table
+        common = 0
+        while common < limit and all(spans[i].block_table[common] == first[common] for i in members):
+            common += 1
+        if common == 0:
+            continue
+        groups.append(SharedPrefix(
+            span_indices=tuple(members),
+            query_index=torch.tensor([layout[i][0] for i in members], dtype=torch.long, device=device),
+            block_table=torch.tensor(list(first[:common]), dtype=torch.long, device=device),
+            num_blocks=common))
+    return tuple(groups)
 
 
 def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -137,6 +137,18 @@ def test_mixed_batch_arriving_together(stack):
         assert out == hf_greedy(stack.model_dir, p, 9)
 
 
+def test_concurrent_requests_sharing_a_cached_prefix(stack):
+    """Decodes of sequences that share cached blocks run batched (cascade attention)."""
+    base = prompt(80, 4 * BLOCK)
+    stack.generate(base + [7], 1)  # the shared blocks are now cached
+    prompts = [base + prompt(81 + i, 1 + i) for i in range(5)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: stack.generate(p, 12), prompts))
+    for p, (out, usage) in zip(prompts, results):
+        assert usage.cached_tokens >= 4 * BLOCK
+        assert out == hf_greedy(stack.model_dir, p, 12)
+
+
 def test_second_identical_prompt_computes_only_uncached_tokens(stack):
     p = prompt(30, 10 * BLOCK + 3)  # 10 full blocks and a partial tail
     stack.generate(p, 1)

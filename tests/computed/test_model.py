@@ -473,3 +473,41 @@ def test_runtime_does_not_import_transformers() -> None:
             "sys.exit('transformers' in sys.modules)")
     repo = Path(__file__).parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=repo, check=False).returncode == 0
+
+
+def test_cascade_decode_over_shared_blocks_matches_dense_attention() -> None:
+    """Decode queries whose tables share leading blocks (cascade path) vs a dense reference."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block = 4, 2, 8, 4
+    pool = KVPool(1, 32, block, kv_heads, dim, torch.float32, CPU)
+    shared = [7, 3]  # 8 shared tokens in two blocks
+    tables = [shared + [11, 12], shared + [20], shared + [5, 6, 9], [30, 31]]
+    lengths = [14, 9, 10, 6]  # context after this step; the last token is new
+    keys = [torch.randn(n, kv_heads, dim) for n in lengths]
+    values = [torch.randn(n, kv_heads, dim) for n in lengths]
+    for i in range(1, 3):  # members agree on the shared tokens' K/V (same physical blocks)
+        keys[i][:8], values[i][:8] = keys[0][:8], values[0][:8]
+    for table, k, v, n in zip(tables, keys, values, lengths):
+        for pos in range(n - 1):
+            pool.key(0)[table[pos // block], pos % block] = k[pos]
+            pool.value(0)[table[pos // block], pos % block] = v[pos]
+    batch = AttentionBatch.build([SpanInput(t, n - 1, 1) for t, n in zip(tables, lengths)], block, CPU)
+    assert [g.span_indices for g in batch.shared_prefixes] == [(0, 1, 2)]
+    assert batch.shared_prefixes[0].num_blocks == 2
+    q = torch.randn(4, heads, dim)
+    out = paged_attention(q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]), 0,
+                          batch, pool, scale=dim ** -0.5)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
+        vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = q[i][:, None, :] @ kk.transpose(1, 2) * dim ** -0.5  # (H, 1, n)
+        expected = (scores.softmax(-1) @ vv)[:, 0]  # (H, D)
+        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=0)
+
+
+def test_cascade_needs_a_suffix_and_two_members() -> None:
+    one = AttentionBatch.build([SpanInput([1, 2], 7, 1)], 4, CPU)
+    assert one.shared_prefixes == ()
+    # Both queries sit in the shared second block: only the first block may be shared.
+    two = AttentionBatch.build([SpanInput([1, 2], 6, 1), SpanInput([1, 2, 3], 5, 1)], 4, CPU)
+    assert [g.num_blocks for g in two.shared_prefixes] == [1]
