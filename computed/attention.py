@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from computed.kv_pool import KVPool
 
-# Decode sequences that share leading blocks get cascade attention from this many on.
+# Sequences that share leading cached blocks get cascade attention from this many on.
 MIN_CASCADE_SEQUENCES = 2
 
 
@@ -82,17 +82,18 @@ class SequenceSpan:
 
 @dataclass(frozen=True)
 class SharedPrefix:
-    """Decode sequences of one step whose block tables start with the same blocks.
+    """Sequences of one step whose block tables start with the same blocks.
 
-    Cascade attention: their queries attend to the shared blocks in ONE batched call
-    (the prefix K/V is read from the pool once, not once per sequence), then each
-    attends to its own suffix, and the two halves are merged exactly through their
-    log-sum-exp. Invariant: every shared token precedes every member's query, so no
-    mask is needed over the shared part, and each member has a non-empty suffix.
+    Cascade attention: all their query tokens attend to the shared blocks in ONE
+    batched call (the prefix K/V is read from the pool once, not once per sequence),
+    then each sequence's queries attend to its own suffix (causally), and the two
+    halves are merged exactly through their log-sum-exp. Invariant: every shared token
+    precedes every member's first query, so no mask is needed over the shared part,
+    and each query sees at least itself in its suffix.
     """
 
     span_indices: tuple[int, ...]  # members, in batch order
-    query_index: torch.Tensor  # (S,) int64 flat index of each member's (single) query token
+    query_index: torch.Tensor  # (Q,) int64 flat indices of every member's query tokens, member by member
     block_table: torch.Tensor  # (num_blocks,) int64 the shared blocks
     num_blocks: int
 
@@ -188,7 +189,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
     out = torch.empty_like(q)
     in_cascade: set[int] = set()
     for group in batch.shared_prefixes:
-        out[group.query_index] = _cascade_decode(q, key_cache, value_cache, group, batch, scale)
+        out[group.query_index] = _cascade(q, key_cache, value_cache, group, batch, scale)
         in_cascade.update(group.span_indices)
     for index, span in enumerate(batch.spans):
         if index in in_cascade:
@@ -205,37 +206,48 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
     return out
 
 
-def _cascade_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: SharedPrefix,
-                    batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """One query per member: attend to the shared blocks together, to each suffix alone,
-    and merge the halves by their log-sum-exp (exact, up to float rounding)."""
+def _cascade(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: SharedPrefix,
+             batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Attend to the shared blocks together, to each suffix alone, and merge the halves
+    by their log-sum-exp (exact, up to float rounding). Returns (Q, H, D)."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     shared_len = group.num_blocks * batch.block_size
-    queries = q[group.query_index]  # (S, H, D)
+    queries = q[group.query_index]  # (Q, H, D)
     k = key_cache[group.block_table].view(-1, num_kv_heads, head_dim)  # (P, Hkv, D), read once
     v = value_cache[group.block_table].view(-1, num_kv_heads, head_dim)
-    out, lse = _attend_with_lse(queries, k, v, scale)  # (S, H, D), (S, H)
-    for row, index in enumerate(group.span_indices):
+    out, lse = _attend_with_lse(queries, k, v, scale)  # (Q, H, D), (Q, H)
+    row = 0
+    for index in group.span_indices:
         span = batch.spans[index]
-        table = span.block_table[group.num_blocks:]
+        rows = slice(row, row + span.query_len)
+        row += span.query_len
         suffix_len = span.context_len - shared_len
+        table = span.block_table[group.num_blocks:]
         ks = key_cache[table].view(-1, num_kv_heads, head_dim)[:suffix_len]  # (L, Hkv, D)
         vs = value_cache[table].view(-1, num_kv_heads, head_dim)[:suffix_len]
-        o2, lse2 = _attend_with_lse(queries[row:row + 1], ks, vs, scale)  # (1, H, D), (1, H)
-        top = torch.maximum(lse[row], lse2[0])  # (H,)
-        w1, w2 = (lse[row] - top).exp(), (lse2[0] - top).exp()
-        out[row] = (out[row] * w1[:, None] + o2[0] * w2[:, None]) / (w1 + w2)[:, None]
+        mask = None
+        if span.query_len > 1:  # query i sits at suffix position L - query_len + i
+            first = suffix_len - span.query_len
+            mask = (torch.arange(suffix_len, device=q.device)[None, :]
+                    <= torch.arange(first, suffix_len, device=q.device)[:, None])  # (Lq, L)
+        o2, lse2 = _attend_with_lse(queries[rows], ks, vs, scale, mask)  # (Lq, H, D), (Lq, H)
+        top = torch.maximum(lse[rows], lse2)  # (Lq, H)
+        w1, w2 = (lse[rows] - top).exp()[..., None], (lse2 - top).exp()[..., None]
+        out[rows] = (out[rows] * w1 + o2 * w2) / (w1 + w2)
     return out.to(q.dtype)
 
 
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of q (S, H, D) over k/v (N, Hkv, D) in float32, grouped-query.
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (S, H, D) over k/v (N, Hkv, D) in float32, grouped-query; `mask`
+    (S, N) bool, True = may attend (each row must allow one key at least).
     Returns out (S, H, D) float32 and the log-sum-exp of the scores (S, H)."""
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qg = q.float().view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, Hkv, g, D)
     scores = torch.einsum("skgd,nkd->skgn", qg, k.float()) * scale  # (S, Hkv, g, N)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
     weights = (scores - top).exp()
     total = weights.sum(dim=-1, keepdim=True)
@@ -246,27 +258,26 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _shared_prefixes(spans: Sequence[SpanInput], layout: list[tuple[int, int, int, int, int]], block_size: int,
                      device: torch.device) -> tuple[SharedPrefix, ...]:
-    """Group single-token (decode) spans by their first block; keep groups of at least
-    MIN_CASCADE_SEQUENCES whose common leading blocks all precede every member's query."""
+    """Group spans that follow at least one cached block by their first block; keep groups
+    of at least MIN_CASCADE_SEQUENCES, sharing the leading blocks that lie wholly before
+    every member's first query."""
     by_first: dict[int, list[int]] = {}
     for index, span in enumerate(spans):
-        if span.num_new_tokens == 1 and layout[index][2] > block_size:
+        if span.num_computed_tokens >= block_size:
             by_first.setdefault(span.block_table[0], []).append(index)
     groups = []
     for members in by_first.values():
         if len(members) < MIN_CASCADE_SEQUENCES:
             continue
-        # Shared blocks must lie wholly before each member's query (a non-empty suffix).
-        limit = min((layout[i][2] - 1) // block_size for i in members)
+        limit = min(spans[i].num_computed_tokens // block_size for i in members)
         first = spans[members[0]].block_table
         common = 0
         while common < limit and all(spans[i].block_table[common] == first[common] for i in members):
             common += 1
-        if common == 0:
-            continue
+        rows = [t for i in members for t in range(layout[i][0], layout[i][0] + layout[i][1])]
         groups.append(SharedPrefix(
             span_indices=tuple(members),
-            query_index=torch.tensor([layout[i][0] for i in members], dtype=torch.long, device=device),
+            query_index=torch.tensor(rows, dtype=torch.long, device=device),
             block_table=torch.tensor(list(first[:common]), dtype=torch.long, device=device),
             num_blocks=common))
     return tuple(groups)

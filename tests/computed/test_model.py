@@ -511,3 +511,37 @@ def test_cascade_needs_a_suffix_and_two_members() -> None:
     # Both queries sit in the shared second block: only the first block may be shared.
     two = AttentionBatch.build([SpanInput([1, 2], 6, 1), SpanInput([1, 2, 3], 5, 1)], 4, CPU)
     assert [g.num_blocks for g in two.shared_prefixes] == [1]
+
+
+def test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention() -> None:
+    """Several new tokens per sequence after shared cached blocks: causal within the suffix."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block = 4, 1, 8, 4
+    pool = KVPool(1, 32, block, kv_heads, dim, torch.float32, CPU)
+    shared = [4, 9, 2]  # 12 shared tokens
+    tables = [shared + [10, 11], shared + [20, 21, 22], shared + [13]]
+    cached, lengths = [13, 12, 12], [18, 21, 15]  # computed before this step, context after it
+    keys = [torch.randn(n, kv_heads, dim) for n in lengths]
+    values = [torch.randn(n, kv_heads, dim) for n in lengths]
+    for i in (1, 2):
+        keys[i][:12], values[i][:12] = keys[0][:12], values[0][:12]
+    for table, k, v, c in zip(tables, keys, values, cached):
+        for pos in range(c):
+            pool.key(0)[table[pos // block], pos % block] = k[pos]
+            pool.value(0)[table[pos // block], pos % block] = v[pos]
+    batch = AttentionBatch.build([SpanInput(t, c, n - c) for t, c, n in zip(tables, cached, lengths)], block, CPU)
+    assert [(g.span_indices, g.num_blocks) for g in batch.shared_prefixes] == [((0, 1, 2), 3)]
+    q = torch.randn(batch.num_tokens, heads, dim)
+    k_new = torch.cat([k[c:] for k, c in zip(keys, cached)])
+    v_new = torch.cat([v[c:] for v, c in zip(values, cached)])
+    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
+    start = 0
+    for k, v, c, n in zip(keys, values, cached, lengths):
+        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
+        kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
+        vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
+        visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
+        expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + n - c], expected, atol=1e-5, rtol=0)
+        start += n - c
