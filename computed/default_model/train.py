@@ -447,9 +447,9 @@ over consecutive {cfg.seq_len}-token windows. Greedy sample from `import ` (60 n
 .venv/bin/python computed/default_model/train.py --out computed/default_model [--minutes 10]
 ```
 
-The default budget, 10 minutes, is about 750 steps on two idle cores (held-out loss about
-4.4); on a busy shared CPU it may be a few times fewer, hence a longer budget for the
-committed weights. Seeds are fixed. With a time budget the cosine schedule follows elapsed time (the CPU is
+The default budget, 10 minutes, gave 635 steps on a lightly loaded machine (train loss
+4.08, held-out 4.67) and 145 on a busy shared one (held-out 5.68), hence a longer budget
+for the committed weights. Seeds are fixed. With a time budget the cosine schedule follows elapsed time (the CPU is
 shared, so step times vary), so the step count varies; pass `--steps {steps}` to repeat this
 run's step count with a step-based schedule. Results vary slightly with
 the torch build and the stdlib version. `tests/computed/test_default_model.py` checks the
