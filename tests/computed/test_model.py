@@ -231,6 +231,21 @@ def test_logits_in_bfloat16_stay_close(tiny_models: TinyModels) -> None:
 # ---- paged attention in isolation ---------------------------------------------------------
 
 
+def assert_matches_dense_attention(out, q, keys, values, cached, lengths, kv_heads) -> None:
+    """Each sequence's new queries against its whole context, causal, computed densely."""
+    heads, dim = q.shape[1], q.shape[2]
+    start = 0
+    for k, v, c, n in zip(keys, values, cached, lengths):
+        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
+        kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
+        vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
+        visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
+        expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + n - c], expected, atol=1e-5, rtol=0)
+        start += n - c
+
+
 def test_paged_attention_matches_dense_causal_attention() -> None:
     """Two sequences with cached prefixes, GQA, shuffled blocks vs a dense reference."""
     torch.manual_seed(0)
@@ -250,16 +265,7 @@ def test_paged_attention_matches_dense_causal_attention() -> None:
     v_new = torch.cat([v[c:] for v, c in zip(values, cached)])
     out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
 
-    start = 0
-    for k, v, c, n in zip(keys, values, cached, lengths):
-        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
-        kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
-        vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
-        visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
-        expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
-        torch.testing.assert_close(out[start:start + n - c], expected, atol=1e-5, rtol=0)
-        start += n - c
+    assert_matches_dense_attention(out, q, keys, values, cached, lengths, kv_heads)
 
 
 def test_build_lays_out_slots_positions_and_last_tokens() -> None:
@@ -535,21 +541,12 @@ def test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention() ->
     k_new = torch.cat([k[c:] for k, c in zip(keys, cached)])
     v_new = torch.cat([v[c:] for v, c in zip(values, cached)])
     out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
-    start = 0
-    for k, v, c, n in zip(keys, values, cached, lengths):
-        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
-        kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
-        vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
-        visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
-        expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
-        torch.testing.assert_close(out[start:start + n - c], expected, atol=1e-5, rtol=0)
-        start += n - c
+    assert_matches_dense_attention(out, q, keys, values, cached, lengths, kv_heads)
 
 
 def test_cascade_fallback_without_the_fused_cpu_kernel(monkeypatch) -> None:
     """The einsum path (used off CPU or in other dtypes) gives the same answers."""
-    import computed.attention as attention
+    from computed import attention
 
     monkeypatch.setattr(attention, "_FLASH_CPU", None)
     test_cascade_decode_over_shared_blocks_matches_dense_attention()
