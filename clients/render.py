@@ -1,14 +1,18 @@
 """Rich tables and trees for kvctl's human output (scripts use --json instead).
 
 Strings that come from the daemons (model text, pool ids) are wrapped in Text so
-that brackets in them are never read as rich markup.
+that brackets in them are never read as rich markup. Ids and addresses are never
+cut: their columns fold on a narrow terminal, and `output_console` renders at full
+width when stdout is not a terminal (`kvctl pools | cat` shows every id whole).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
@@ -18,6 +22,27 @@ from clients.types import BlockInfo, Completion, PinResult, PoolInfo, PoolMatch,
 
 _PREVIEW_CHARS = 60
 _PREVIEW_TOKENS = 12
+# Wide enough for any table: rich sizes a table to its content, never to this width.
+_PIPE_WIDTH = 100_000
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A console for human output; full width (no cut cells) when it is not a terminal."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else _PIPE_WIDTH
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
+
+
+def add_columns(table: Table, names: Sequence[str], right: Sequence[str] = ()) -> None:
+    """Adds columns by name (`right` ones right-aligned); a value too wide folds onto the next
+    line, it is never cut: a cut pool id or count cannot be copied into the next command."""
+    for name in names:
+        table.add_column(name, justify="right" if name in right else "left", overflow="fold")
+
+
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """ "1 block", "2 blocks", "0 blocks" (`words` for an irregular plural)."""
+    return f"{count:,} {word if count == 1 else words or word + 's'}"
 
 
 def short_hash(value: bytes | None) -> str:
@@ -25,7 +50,18 @@ def short_hash(value: bytes | None) -> str:
 
 
 def percent(part: float, whole: float) -> str:
-    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+    """part/whole as a percentage, one decimal, more where one would round to 0% or 100%.
+
+    A share that is not the whole is never shown as 100.0% (8,096 of 8,100 is 99.95%),
+    and a share that is not nothing is never shown as 0.0% (1 of 100,000 is 0.001%).
+    """
+    if not whole:
+        return "-"
+    value = 100.0 * part / whole
+    digits = 1
+    while 0 < part < whole and digits < 6 and float(f"{value:.{digits}f}") in (0.0, 100.0):
+        digits += 1
+    return f"{value:.{digits}f}%"
 
 
 def preview_text(text: str, limit: int = _PREVIEW_CHARS) -> str:
@@ -60,7 +96,7 @@ def stats_table(stats: Stats) -> Table:
     table.add_column("total", justify="right", style="bold")
     columns: list[PoolStats] = [stats.total, *stats.pools]
     for pool in stats.pools:
-        table.add_column(Text(pool.pool_id or "?"), justify="right")
+        table.add_column(Text(pool.pool_id or "?"), justify="right", overflow="fold")
     for field in dataclasses.fields(PoolStats):
         if field.name == "pool_id":
             continue
@@ -71,9 +107,9 @@ def stats_table(stats: Stats) -> Table:
 
 
 def pools_table(pools: Sequence[PoolInfo]) -> Table:
-    table = Table(title=f"{len(pools)} pool(s)")
-    for name in ("pool", "worker", "model", "blocks", "free", "cached", "seqs", "hit rate", "lease"):
-        table.add_column(name, justify="left" if name in ("pool", "worker", "model") else "right")
+    table = Table(title=plural(len(pools), "pool"))
+    add_columns(table, ("pool", "worker", "model", "blocks", "free", "cached", "seqs", "hit rate", "lease"),
+                right=("blocks", "free", "cached", "seqs", "hit rate", "lease"))
     for p in pools:
         lease = f"{p.lease_remaining_seconds:.0f}s" if p.is_live else "lapsed"
         table.add_row(Text(p.pool_id), Text(p.worker_address or "-"),
@@ -86,10 +122,10 @@ def pools_table(pools: Sequence[PoolInfo]) -> Table:
 
 
 def blocks_table(blocks: Sequence[BlockInfo], num_total: int) -> Table:
-    title = f"{len(blocks)} cached block(s)" + (f" of {num_total}" if num_total > len(blocks) else "")
-    table = Table(title=title)
-    for name in ("pool", "block", "index", "hash", "parent", "refs", "pinned", "salted", "tokens"):
-        table.add_column(name, justify="right" if name in ("block", "index", "refs") else "left")
+    shown = plural(len(blocks), "cached block")
+    table = Table(title=shown + (f" of {num_total:,}" if num_total > len(blocks) else ""))
+    add_columns(table, ("pool", "block", "index", "hash", "parent", "refs", "pinned", "salted", "tokens"),
+                right=("block", "index", "refs"))
     for b in blocks:
         table.add_row(Text(b.pool_id), str(b.block_id), str(b.block_index), short_hash(b.block_hash),
                       short_hash(b.parent_hash), str(b.ref_count), "yes" if b.is_pinned else "",
@@ -99,8 +135,8 @@ def blocks_table(blocks: Sequence[BlockInfo], num_total: int) -> Table:
 
 def lookup_table(matches: Sequence[PoolMatch], num_tokens: int) -> Table:
     table = Table(title=f"cached prefix of a {num_tokens}-token prompt")
-    for name in ("pool", "worker", "cached tokens", "share", "load", "sequences"):
-        table.add_column(name, justify="left" if name in ("pool", "worker") else "right")
+    add_columns(table, ("pool", "worker", "cached tokens", "share", "load", "sequences"),
+                right=("cached tokens", "share", "load", "sequences"))
     for m in matches:
         table.add_row(Text(m.pool_id), Text(m.worker_address or "-"), str(m.num_cached_tokens),
                       percent(m.num_cached_tokens, num_tokens), f"{100 * m.load:.0f}%", str(m.num_sequences))
@@ -108,7 +144,7 @@ def lookup_table(matches: Sequence[PoolMatch], num_tokens: int) -> Table:
 
 
 def pin_text(pin: PinResult) -> Text:
-    text = Text(f"pinned {pin.num_pinned_tokens} tokens ({pin.num_pinned_blocks} blocks) "
+    text = Text(f"pinned {plural(pin.num_pinned_tokens, 'token')} ({plural(pin.num_pinned_blocks, 'block')}) "
                 f"for {pin.expires_in_seconds:.0f} s; pin id ")
     text.append(pin.pin_id, style="bold")
     return text
@@ -116,7 +152,7 @@ def pin_text(pin: PinResult) -> Text:
 
 def prefix_tree(forest: dict[str, list[PrefixNode]], block_size: dict[str, int]) -> Tree:
     total = sum(len(list(n.walk())) for roots in forest.values() for n in roots)
-    tree = Tree(f"cached prefixes ({len(forest)} pool(s), {total} run(s))")
+    tree = Tree(f"cached prefixes ({plural(len(forest), 'pool')}, {plural(total, 'run')})")
     for pool_id, roots in forest.items():
         pool = tree.add(Text(f"pool {pool_id} (block size {block_size.get(pool_id, '?')})", style="bold"))
         stack = [(pool, root) for root in reversed(roots)]
@@ -130,7 +166,7 @@ def prefix_tree(forest: dict[str, list[PrefixNode]], block_size: dict[str, int])
 def _node_label(node: PrefixNode) -> Text:
     label = Text()
     ids = node.block_ids
-    span = f"#{ids[0]}" if len(ids) == 1 else f"#{ids[0]}…#{ids[-1]} ({len(ids)} blocks)"
+    span = f"#{ids[0]}" if len(ids) == 1 else f"#{ids[0]}…#{ids[-1]} ({plural(len(ids), 'block')})"
     label.append(f"{span} ", style="cyan")
     if node.text is not None:
         label.append(f'"{preview_text(node.text)}"')
