@@ -44,5 +44,9 @@ class KVCacheError(Exception):
             return f"{where} is unreachable (UNAVAILABLE)"
         if self.code is grpc.StatusCode.DEADLINE_EXCEEDED:
             return f"{where} did not answer before the deadline (DEADLINE_EXCEEDED)"
+        if self.code is grpc.StatusCode.UNIMPLEMENTED:  # most often: the other daemon's address
+            other = "computed" if self.service == "blockd" else "blockd"
+            return (f"{where} does not serve this {self.service} call (UNIMPLEMENTED): "
+                    f"is {self.address} {other}'s address?")
         detail = self.details or "no details"
         return f"{where}: {detail} ({self.code.name})"

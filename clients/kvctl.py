@@ -1,9 +1,11 @@
 """kvctl: generate against, inspect and flush the prefix cache from a shell.
 
-Human output is rich tables; `--json` (global or per command) prints stable keys
-for scripts. A failed call prints one line, "error: ...", and exits non-zero:
-1 the daemon refused the request, 2 bad usage, 3 a daemon is unreachable or too
-slow, 4 the admin token is missing or wrong, 130 interrupted.
+Human output is rich tables (at full width when stdout is not a terminal); `--json`
+(global or per command) prints stable keys for scripts. A failed call prints one
+line, "error: ...", in kvctl's words (commands and flags, not RPCs), and exits
+non-zero: 1 the daemon refused the request, 2 bad usage (also a --blockd address
+that serves computed, or the reverse), 3 a daemon is unreachable or too slow, 4 the
+admin token is missing or wrong, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
+import grpc
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from clients import render
-from clients.client import DEFAULT_BLOCKD, DEFAULT_COMPUTED, KVCacheClient
+from clients.client import DEFAULT_BLOCKD, DEFAULT_COMPUTED, GenerateStream, KVCacheClient
+from clients.diagnose import check_address, explain_unimplemented, in_kvctl_words
 from clients.errors import KVCacheError
 from clients.options import ClientOptions, TlsOptions
 from clients.prefix_tree import build_prefix_forest
 from clients.requests import Prompt, SamplingParams
 from clients.routing import ROUTING_MODES
-from clients.types import BlockInfo, Completion, to_dict
+from clients.types import BlockInfo, Completion, GenerateChunk, to_dict
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 _AUTH_HINT = "; pass --admin-token or set KVCACHE_ADMIN_TOKEN"
@@ -48,8 +51,8 @@ class Session:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.out = Console(highlight=False, soft_wrap=False)
-        self.err = Console(stderr=True, highlight=False)
+        self.out = render.output_console()
+        self.err = render.output_console(stderr=True)
 
     @cached_property
     def client(self) -> KVCacheClient:
@@ -75,9 +78,14 @@ class KvctlGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KVCacheError as error:
+            session = ctx.find_object(Session)
+            swapped = explain_unimplemented(error, session.settings.options.tls if session else None)
+            if swapped is not None:
+                click.echo(f"error: {swapped}", err=True)
+                ctx.exit(EXIT_USAGE)
             hint = _AUTH_HINT if error.is_auth else ""
             code = EXIT_AUTH if error.is_auth else EXIT_UNREACHABLE if error.is_unreachable else EXIT_REFUSED
-            click.echo(f"error: {error}{hint}", err=True)
+            click.echo(f"error: {in_kvctl_words(str(error))}{hint}", err=True)
             ctx.exit(code)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
@@ -91,6 +99,21 @@ def _split_addresses(values: Sequence[str]) -> tuple[str, ...]:
     return tuple(a.strip() for v in values for a in v.replace(" ", ",").split(",") if a.strip())
 
 
+def _checked(service: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """An option callback that refuses addresses without a port or with a URL scheme (exit 2)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        values = [value] if isinstance(value, str) else _split_addresses(value or ())
+        try:
+            for address in values:
+                check_address(address, service)
+        except ValueError as error:
+            raise click.BadParameter(str(error), ctx, param) from None
+        return value
+
+    return callback
+
+
 def parse_token_ids(value: str) -> list[int]:
     try:
         token_ids = [int(t) for t in value.replace(" ", ",").split(",") if t.strip()]
@@ -101,26 +124,33 @@ def parse_token_ids(value: str) -> list[int]:
     return token_ids
 
 
-@click.group(cls=KvctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--blockd", envvar="KVCACHE_BLOCKD", default=DEFAULT_BLOCKD, show_default=True,
-              help="blockd address (env KVCACHE_BLOCKD).")
-@click.option("--computed", envvar="KVCACHE_COMPUTED", multiple=True,
-              help=f"computed address; repeat or comma-separate for several (env KVCACHE_COMPUTED). "
+_EPILOG = ("Each global option with an [env var: KVCACHE_...] can also be set by that environment "
+           "variable; the option wins. Exit codes: 0 ok, 1 refused, 2 bad command line, 3 unreachable or "
+           "deadline, 4 admin token missing or wrong, 130 interrupted.")
+
+
+@click.group(cls=KvctlGroup, epilog=_EPILOG,
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--blockd", envvar="KVCACHE_BLOCKD", show_envvar=True, default=DEFAULT_BLOCKD, show_default=True,
+              callback=_checked("blockd"), help="blockd address, HOST:PORT.")
+@click.option("--computed", envvar="KVCACHE_COMPUTED", show_envvar=True, multiple=True,
+              callback=_checked("computed"),
+              help=f"computed address, HOST:PORT; repeat or comma-separate for several. "
                    f"[default: {DEFAULT_COMPUTED}]")
-@click.option("--admin-token", envvar="KVCACHE_ADMIN_TOKEN", default=None,
-              help="blockd admin token (env KVCACHE_ADMIN_TOKEN).")
-@click.option("--timeout", envvar="KVCACHE_TIMEOUT", type=click.FloatRange(min=0.001), default=None,
-              help="Deadline of each call in seconds, retries included [default: 30; generate: 600 "
-                   "for the whole stream].")
+@click.option("--admin-token", envvar="KVCACHE_ADMIN_TOKEN", show_envvar=True, default=None,
+              help="blockd admin token.")
+@click.option("--timeout", envvar="KVCACHE_TIMEOUT", show_envvar=True, type=click.FloatRange(min=0.001),
+              default=None, help="Deadline of each call in seconds, retries included [default: 30; "
+                                 "generate: 600 for the whole stream].")
 @click.option("--routing", type=click.Choice(ROUTING_MODES), default="cache-aware", show_default=True,
               help="How to pick among several computed addresses.")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="KVCACHE_TLS_CA",
-              help="Use TLS, trusting this CA certificate (PEM).")
+              show_envvar=True, help="Use TLS, trusting this CA certificate (PEM).")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              envvar="KVCACHE_TLS_CERT", help="Client certificate for mutual TLS (PEM).")
+              envvar="KVCACHE_TLS_CERT", show_envvar=True, help="Client certificate for mutual TLS (PEM).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              envvar="KVCACHE_TLS_KEY", help="Client key for mutual TLS (PEM).")
-@click.option("--tls-server-name", envvar="KVCACHE_TLS_SERVER_NAME",
+              envvar="KVCACHE_TLS_KEY", show_envvar=True, help="Client key for mutual TLS (PEM).")
+@click.option("--tls-server-name", envvar="KVCACHE_TLS_SERVER_NAME", show_envvar=True,
               help="Name to check the server certificate against.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
@@ -192,14 +222,21 @@ def _prompt(text: str | None, token_text: str | None, system: str | None, chat: 
 
 @command("generate")
 @_prompt_options
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Most tokens to generate (prompt + completion must fit the model's context).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
-@click.option("--top-k", type=click.IntRange(min=0), default=None)
-@click.option("--seed", type=click.IntRange(min=0), default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--ignore-eos", is_flag=True)
+              help="Sampling temperature; 0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Nucleus sampling: sample from the smallest set of tokens whose probabilities add up "
+                   "to P (0 < P <= 1) [default: 1, off].")
+@click.option("--top-k", type=click.IntRange(min=0), default=None,
+              help="Sample from the K most likely tokens only [default: 0, off].")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Random seed: the same seed, prompt and parameters give the same sample "
+                   "[default: none, a fresh one per request].")
+@click.option("--stop", multiple=True, help="Stop when this string is generated (repeatable).")
+@click.option("--ignore-eos", is_flag=True,
+              help="Keep generating past the model's end-of-sequence token, up to --max-tokens.")
 def generate(session: Session, as_json: bool, text: str | None, token_text: str | None, system: str | None,
              chat: bool, salt: str, public_prefix_tokens: int, max_tokens: int, temperature: float,
              top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
@@ -218,12 +255,43 @@ def generate(session: Session, as_json: bool, text: str | None, token_text: str 
     except KeyboardInterrupt:
         stream.cancel()
         raise
+    except KVCacheError as error:
+        if not chunks:
+            raise
+        _report_partial(session, as_json, stream, chunks, error)
     completion = Completion.from_chunks(chunks, stream.worker_address)
     if as_json:
         session.emit_json(completion.to_dict())
         return
     click.echo()
     session.err.print(render.usage_line(completion), soft_wrap=True)
+
+
+def _report_partial(session: Session, as_json: bool, stream: GenerateStream, chunks: list[GenerateChunk],
+                    error: KVCacheError) -> None:
+    """The stream broke after text arrived: show what came, finish "timeout" (or "error"), exit 3/1.
+
+    The usage the server sends with its last message never came, so the counts it
+    alone knows (prompt and cached tokens, its timings) are null, not guessed.
+    """
+    finish = "timeout" if error.code is grpc.StatusCode.DEADLINE_EXCEEDED else "error"
+    token_ids = [t for c in chunks for t in c.token_ids]
+    if as_json:
+        usage = {"prompt_tokens": None, "cached_tokens": None, "completion_tokens": len(token_ids),
+                 "time_to_first_token_seconds": None, "total_time_seconds": None, "num_preemptions": None}
+        session.emit_json({"request_id": chunks[0].request_id, "text": "".join(c.text for c in chunks),
+                           "token_ids": token_ids, "finish_reason": finish, "usage": usage,
+                           "worker_address": stream.worker_address, "error": str(error)})
+    else:
+        click.echo()
+    if finish == "timeout":
+        what = f"the deadline of {session.settings.options.generate_timeout:g} s (--timeout) expired"
+    else:
+        what = f"the stream broke ({error.details or 'no details'})"
+    click.echo(f"error: {error.service} at {error.address}: {what} after "
+               f"{render.plural(len(token_ids), 'completion token')} ({error.code.name}); the text "
+               f"{'in the JSON' if as_json else 'above'} is partial (finish_reason {finish})", err=True)
+    click.get_current_context().exit(EXIT_UNREACHABLE if error.is_unreachable else EXIT_REFUSED)
 
 
 @command("route")
@@ -286,7 +354,7 @@ def _fetch_blocks(session: Session, pool: str | None) -> list[BlockInfo]:
     total = blockd.get_stats(pool).total.num_cached_blocks
     blocks = []
     with session.progress() as progress:
-        task = progress.add_task("ListBlocks", total=total or None)
+        task = progress.add_task("reading blocks", total=total or None)
         for block in blockd.iter_blocks(pool):
             blocks.append(block)
             progress.advance(task)
@@ -362,8 +430,8 @@ def flush(session: Session, as_json: bool, pool: str | None, salt: str | None) -
     if as_json:
         session.emit_json(to_dict(result))
         return
-    session.out.print(f"flushed: dropped {result.dropped} cached block(s); "
-                      f"{result.busy} busy (still referenced, left in place)")
+    session.out.print(f"flushed: dropped {render.plural(result.dropped, 'cached block')}; "
+                      f"{result.busy:,} busy (still referenced, left in place)")
 
 
 @command("pin")
@@ -392,24 +460,28 @@ def unpin(session: Session, as_json: bool, pin_id: str) -> None:
     if as_json:
         session.emit_json({"pin_id": pin_id, "num_unpinned_blocks": num_unpinned})
         return
-    session.out.print(f"unpinned {num_unpinned} block(s)")
+    session.out.print(f"unpinned {render.plural(num_unpinned, 'block')}")
 
 
 @command("watch")
 @click.option("--pool", help="Only this pool.")
-@click.option("--after", "after_sequence", type=click.IntRange(min=0), default=0,
-              help="Start after this event sequence number (0: oldest retained).")
-def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int) -> None:
-    """Print block events (stored / removed / cleared / gap) as they happen; Ctrl-C stops."""
+@click.option("--after", "after_sequence", type=click.IntRange(min=0), default=None,
+              help="Replay the retained events after this sequence number first (0: all of them) "
+                   "[default: none, only new events].")
+def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int | None) -> None:
+    """Print block events (stored / removed / cleared / gap) as they happen; Ctrl-C stops (exit 130)."""
+    blockd = session.client.blockd
+    if after_sequence is None:
+        after_sequence = blockd.get_stats(pool).last_event_sequence
     try:
-        for event in session.client.blockd.watch_events(after_sequence, pool_id=pool):
+        for event in blockd.watch_events(after_sequence, pool_id=pool):
             if as_json:
                 click.echo(json.dumps(to_dict(event)))
             else:
                 session.out.print(f"#{event.sequence} {event.kind:<7} pool {event.pool_id} "
                                   f"blocks {list(event.block_ids)}", markup=False)
-    except KeyboardInterrupt:  # the normal way to stop watching
-        return
+    except KeyboardInterrupt:  # the normal way to stop watching: no error line, but exit 130
+        click.get_current_context().exit(EXIT_INTERRUPTED)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
 
 from kvcache.v1 import directory_pb2
 from tests.clients.conftest import LiveStack, dead_address, run_kvctl, unique_prompt
+from tests.daemons import REPO
 
 POOL_STATS_FIELDS = {f.name for f in directory_pb2.PoolStats.DESCRIPTOR.fields}
 USAGE_KEYS = {"prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_seconds"}
@@ -144,3 +152,97 @@ def test_refusals_and_usage_errors(live: LiveStack) -> None:
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     neither = run_kvctl("lookup", env=live.kvctl_env())
     assert neither.returncode == 2 and "TEXT or --tokens" in neither.stderr
+
+
+# ---------------------------------------------------------------- first contact and trust (issue 16)
+
+
+def test_an_address_without_port_or_with_a_scheme_says_so(live: LiveStack) -> None:
+    no_port = run_kvctl("--blockd", "127.0.0.1", "stats", env=live.kvctl_env())
+    assert no_port.returncode == 2 and "has no port" in no_port.stderr and "127.0.0.1:50051" in no_port.stderr
+    url = run_kvctl("--blockd", f"http://{live.blockd.address}", "stats", env=live.kvctl_env())
+    assert url.returncode == 2 and "is a URL" in url.stderr
+    assert f"e.g. {live.blockd.address}" in url.stderr, "the hint is the address without the scheme"
+    env = {**live.kvctl_env(), "KVCACHE_COMPUTED": "localhost"}
+    from_env = run_kvctl("generate", "hello", env=env)
+    assert from_env.returncode == 2 and "KVCACHE_COMPUTED" in from_env.stderr and "has no port" in from_env.stderr
+
+
+def test_swapped_addresses_are_named(live: LiveStack) -> None:
+    blockd_is_computed = run_kvctl("--blockd", live.computed.address, "stats", env=live.kvctl_env())
+    assert_one_line_error(blockd_is_computed, 2, f"{live.computed.address} serves computed, not blockd")
+    computed_is_blockd = run_kvctl("--computed", live.blockd.address, "generate", "hi", env=live.kvctl_env())
+    assert_one_line_error(computed_is_blockd, 2, f"{live.blockd.address} serves blockd, not computed")
+    assert "Method not found" not in blockd_is_computed.stderr + computed_is_blockd.stderr
+
+
+def test_errors_name_kvctl_commands_not_rpcs(live: LiveStack) -> None:
+    result = run_kvctl("stats", "--pool", "no-such-pool", env=live.kvctl_env())
+    assert_one_line_error(result, 1, "`kvctl pools` shows the known ones")
+    assert "ListPools" not in result.stderr
+
+
+def test_a_deadline_mid_stream_reports_the_partial_completion(live: LiveStack) -> None:
+    args = ("--timeout", "3", "generate", unique_prompt("kvctl deadline"), "--max-tokens", "7000", "--ignore-eos")
+    as_json = run_kvctl(*args, "--json", env=live.kvctl_env())
+    assert as_json.returncode == 3, as_json.stderr
+    partial = json.loads(as_json.stdout)
+    assert partial["finish_reason"] == "timeout" and partial["text"]
+    assert partial["usage"]["completion_tokens"] == len(partial["token_ids"]) >= 1
+    assert partial["usage"]["cached_tokens"] is None, "unknown without the server's usage, not guessed as 0"
+    assert as_json.stderr.count("\n") == 1 and "partial (finish_reason timeout)" in as_json.stderr
+    human = run_kvctl(*args, env=live.kvctl_env())
+    assert human.returncode == 3 and human.stdout.strip(), human.stderr
+    assert "(--timeout) expired after" in human.stderr and "did not answer" not in human.stderr
+
+
+def test_tables_keep_whole_ids_when_piped(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl pipe")
+    generate_json(live, prompt)
+    pool_id = kvctl_json(live, "pools")["pools"][0]["pool_id"]
+    env = {k: v for k, v in live.kvctl_env().items() if k != "COLUMNS"}
+    for command in (("pools",), ("stats",), ("lookup", prompt)):
+        result = run_kvctl(*command, env=env)
+        assert result.returncode == 0, result.stderr
+        assert pool_id in result.stdout and "…" not in result.stdout, (command, result.stdout)
+    assert live.computed.address in run_kvctl("pools", env=env).stdout
+
+
+def test_pin_of_one_block_says_one_block(live: LiveStack) -> None:
+    tokens = ",".join(str(3 + (uuid.uuid4().int >> k) % 380) for k in range(0, 120, 6))  # 20 tokens
+    kvctl_json(live, "generate", "--tokens", tokens, "--max-tokens", "2")
+    pinned = run_kvctl("pin", "--tokens", tokens, "--ttl", "30", env=live.kvctl_env())
+    assert pinned.returncode == 0, pinned.stderr
+    assert "pinned 16 tokens (1 block)" in pinned.stdout, pinned.stdout
+    pin_id = pinned.stdout.split()[-1]
+    unpinned = run_kvctl("unpin", pin_id, env=live.kvctl_env())
+    assert unpinned.returncode == 0 and "unpinned 1 block\n" in unpinned.stdout, unpinned.stdout
+
+
+def test_watch_shows_new_events_only_and_exits_130_on_ctrl_c(live: LiveStack) -> None:
+    generate_json(live, unique_prompt("kvctl watch history"))  # history the watch must not replay
+    before = kvctl_json(live, "stats")["last_event_sequence"]
+    assert before >= 1
+    proc = subprocess.Popen([sys.executable, "-m", "clients.kvctl", "watch", "--json"], cwd=REPO,
+                            env=live.kvctl_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+        first = None
+        deadline = time.monotonic() + 90
+        while first is None and time.monotonic() < deadline:
+            generate_json(live, unique_prompt("kvctl watch live"))  # until the watch has subscribed
+            try:
+                first = json.loads(lines.get(timeout=2))
+            except queue.Empty:
+                continue
+        assert first is not None, "no event reached kvctl watch"
+        assert first["sequence"] > before, "without --after, watch starts at the current last event"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, proc.stderr.read()
+    assert "Traceback" not in proc.stderr.read()
