@@ -23,7 +23,12 @@ HEADLINES = {
         ("batched_over_naive", "batched Step ÷ one call per block (admissions/s)", "x", None),
     ],
     "bench.blockd_core": [
-        ("warm_admit_release_us", "core admit+release, 4,096 tokens all hit (median)", "µs", Goal("<=", 200.0)),
+        (
+            "warm_admit_release_us",
+            "core admit+release, 4,096 tokens all hit (median)",
+            "µs",
+            Goal("<=", 200.0),
+        ),
         ("cold_admit_release_us", "core admit+release, 4,096 tokens all miss (median)", "µs", None),
     ],
 }
@@ -44,12 +49,20 @@ def run(ctx: BenchContext) -> BenchResult:
             continue
         for key, name, unit, goal in headlines:
             value = data.get(key)
-            figures.append(Figure(name, value if value is not None else f"missing key {key!r}", unit,
-                                  goal if value is not None else None))
+            figures.append(
+                Figure(
+                    name,
+                    value if value is not None else f"missing key {key!r}",
+                    unit,
+                    goal if value is not None else None,
+                )
+            )
         table = ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in data.items()]
         sections.append(f"`{module_name}.main({ctx.quick})`: {_first_line(module)}\n\n" + "\n".join(table))
-    details = ("Figures of the blockd benchmarks (their modules are owned by the blockd engineer; "
-               "this harness only runs them).\n\n" + "\n\n".join(sections))
+    details = (
+        "Figures of the blockd benchmarks (their modules are owned by the blockd engineer; "
+        "this harness only runs them).\n\n" + "\n\n".join(sections)
+    )
     return BenchResult("capacity", TITLE, figures, details)
 
 

@@ -150,7 +150,8 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         directory=directory,
         # Test hook only: keep this many bytes of each block hash so collisions happen
         # (exact verification must turn every one into a miss).
-        test_hash_bytes=int(os.environ["BLOCKD_TEST_HASH_BYTES"]) if os.environ.get("BLOCKD_TEST_HASH_BYTES")
+        test_hash_bytes=int(os.environ["BLOCKD_TEST_HASH_BYTES"])
+        if os.environ.get("BLOCKD_TEST_HASH_BYTES")
         else None,
     )
 

@@ -15,9 +15,12 @@ class Block:
     """A committed block: its content identity and its bookkeeping.
 
     Identity (what an exact hit compares): `parent` (the physical parent block's
-    record, None for a first block), `token_bytes` and `mixed_salt` (the salt mixed
-    into this block's hash, None for all but one block of a salted chain). The pool's
-    namespace is implied: every pool has its own index.
+    record, None for a first block) and `payload`, what the hash covers after the
+    parent's hash: `token_bytes` preceded by the salt tag of `mixed_salt` (the salt
+    mixed into this block's hash, None for all but one block of a salted chain). The
+    salt encoding is unambiguous, so equal payloads mean equal tokens and salt; an
+    unsalted block's payload is its `token_bytes` object. The pool's namespace is
+    implied: every pool has its own index.
 
     Invariants, checked by the property tests:
     - `is_cached` <=> the pool's index maps `block_hash` to this record.
@@ -40,6 +43,7 @@ class Block:
         "num_cached_children",
         "num_hits",
         "parent",
+        "payload",
         "pin_count",
         "ref_count",
         "token_bytes",
@@ -52,12 +56,14 @@ class Block:
         parent: Block | None,
         token_bytes: bytes,
         mixed_salt: str | None,
+        payload: bytes,
     ) -> None:
         self.block_id = block_id
         self.block_hash = block_hash
         self.parent = parent
         self.token_bytes = token_bytes
         self.mixed_salt = mixed_salt
+        self.payload = payload
         # The salt the chain carries from here on (for flushing one tenant's blocks).
         self.chain_salt = (
             mixed_salt if mixed_salt is not None else (parent.chain_salt if parent is not None else None)

@@ -22,7 +22,7 @@ from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
 from blockd.eviction import EvictableLeaves, EvictionPolicy
-from blockd.hashing import TOKEN_BYTES, UNSALTED_TAG, BlockHasher, salt_tag
+from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.prompt import Prompt
 from blockd.types import AdmitResult, BlockHash, BlockId, GrowResult, PoolId, SequenceId
 
@@ -95,43 +95,22 @@ class BlockPool:
         return -(-num_tokens // self.block_size)
 
     def match(self, prompt: Prompt) -> list[Block]:
-        """Verified hits of the prompt's leading full blocks; the first miss ends the
-        walk. A hit needs the indexed block's parent to be the previous hit (the same
-        physical block), equal tokens and the same mixed salt: an equal hash alone
-        never decides. Cost: one slice, digest and dict lookup per hit, plus one for
-        the miss; no allocation besides the hit list."""
-        data = prompt.token_bytes
-        width = self.block_size * TOKEN_BYTES
-        salt_block = prompt.salt_block(self.block_size)
-        salted_tag = salt_tag(prompt.salt) if salt_block is not None else b""
-        index_get = self.index.get
-        digest = self._hasher.digest
-        hits: list[Block] = []
+        """Verified hits of the prompt's leading full blocks; the first miss ends the walk.
+        The hash walk finds the candidates (hashing each hit and the one miss); a
+        candidate is a hit only when its parent is the previous hit (the same physical
+        block) and its payload (tokens and mixed salt) is equal: an equal hash alone
+        never decides. Cost per hit: a digest, a dict lookup and a payload comparison."""
+        payloads = prompt.payloads(self.block_size)
+        candidates: list[Block] = self._hasher.walk(self.seed, payloads, self.index.get)
+        num_hits = 0
         parent: Block | None = None
-        parent_hash = self.seed
-        start = 0
-        for i in range(len(data) // width):
-            end = start + width
-            chunk = data[start:end]
-            if i == salt_block:
-                block_hash = digest(parent_hash + salted_tag + chunk)
-                mixed_salt: str | None = prompt.salt
-            else:
-                block_hash = digest(parent_hash + chunk)  # UNSALTED_TAG is empty
-                mixed_salt = None
-            block = index_get(block_hash)
-            if (
-                block is None
-                or block.parent is not parent
-                or block.token_bytes != chunk
-                or block.mixed_salt != mixed_salt
-            ):
-                break
-            hits.append(block)
+        for block, payload in zip(candidates, payloads):
+            if block.parent is not parent or block.payload != payload:
+                break  # a collision: a miss, and the walk ends there
             parent = block
-            parent_hash = block_hash
-            start = end
-        return hits
+            num_hits += 1
+        del candidates[num_hits:]
+        return candidates
 
     # ------------------------------------------------------------ step ops
 
@@ -185,16 +164,19 @@ class BlockPool:
         start = sequence.num_committed
         assert block_ids == sequence.block_ids[start : start + len(block_ids)], "commit run"
         parent = self.blocks[sequence.block_ids[start - 1]] if start else None
-        width = self.block_size * TOKEN_BYTES
+        blocks = split_blocks(data, self.block_size)
+        salt_index = sequence.salt_block - start if sequence.salt_block is not None else None
+        payloads = block_payloads(blocks, sequence.salt, salt_index)
+        hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
         stored: list[Block] = []
         for j, block_id in enumerate(block_ids):
-            mixed_salt = sequence.salt if start + j == sequence.salt_block else None
-            parent = self._commit_block(block_id, parent, data[j * width : (j + 1) * width], mixed_salt)
+            mixed_salt = sequence.salt if j == salt_index else None
+            parent = self._commit_block(block_id, hashes[j], parent, blocks[j], mixed_salt, payloads[j])
             if parent.is_cached:
                 stored.append(parent)
         sequence.num_committed += len(block_ids)
         known = sequence.token_bytes
-        offset = start * width
+        offset = start * block_width(self.block_size)
         sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
         self._emit_stored(stored)
 
@@ -275,26 +257,32 @@ class BlockPool:
         held = {block_id for plan in plans for block_id in plan.block_ids}
         self.free.reserve(held)
         self.num_referenced = len(held)
-        width = self.block_size * TOKEN_BYTES
         num_stored = 0
         for plan in plans:
             stored: list[Block] = []  # shared blocks form a prefix, so these form a chain
-            data = plan.prompt.token_bytes
-            salt_block = plan.prompt.salt_block(self.block_size)
-            num_full = len(data) // width
+            prompt = plan.prompt
+            blocks = prompt.blocks(self.block_size)
+            payloads = prompt.payloads(self.block_size)
+            hashes = self._hasher.walk(self.seed, payloads)
+            salt_block = prompt.salt_block(self.block_size)
             parent: Block | None = None
-            for i, block_id in enumerate(plan.block_ids[:num_full]):
+            for i, block_id in enumerate(plan.block_ids[: len(blocks)]):
                 shared = self.blocks.get(block_id)
-                if shared is not None:
+                if shared is not None:  # validated: the same full block, so the same hash
                     shared.ref_count += 1
                     parent = shared
                     continue
-                mixed_salt = plan.prompt.salt if i == salt_block else None
-                parent = self._commit_block(block_id, parent, data[i * width : (i + 1) * width], mixed_salt)
+                mixed_salt = prompt.salt if i == salt_block else None
+                parent = self._commit_block(block_id, hashes[i], parent, blocks[i], mixed_salt, payloads[i])
                 if parent.is_cached:
                     stored.append(parent)
             self.sequences[plan.sequence_id] = Sequence(
-                plan.sequence_id, list(plan.block_ids), data, num_full, plan.prompt.salt, salt_block
+                plan.sequence_id,
+                list(plan.block_ids),
+                prompt.token_bytes,
+                len(blocks),
+                prompt.salt,
+                salt_block,
             )
             self._emit_stored(stored)
             num_stored += len(stored)
@@ -303,16 +291,19 @@ class BlockPool:
     # ------------------------------------------------------------ private helpers
 
     def _commit_block(
-        self, block_id: BlockId, parent: Block | None, chunk: bytes, mixed_salt: str | None
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        parent: Block | None,
+        tokens: bytes,
+        mixed_salt: str | None,
+        payload: bytes,
     ) -> Block:
         """Create the record of a block its sequence has just written, and index it
         unless an entry with that hash exists (an identical copy, or a collision) or
         its parent is not findable (it could never be reached by a walk)."""
         assert block_id not in self.blocks, f"block {block_id} is already committed"
-        parent_hash = parent.block_hash if parent is not None else self.seed
-        tag = salt_tag(mixed_salt) if mixed_salt is not None else UNSALTED_TAG
-        block_hash = self._hasher.block_hash(parent_hash, tag, chunk)
-        block = Block(block_id, block_hash, parent, chunk, mixed_salt)
+        block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
         self.blocks[block_id] = block
         if (parent is None or parent.is_cached) and block_hash not in self.index:
             self.index[block_hash] = block

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from blockd.hashing import TOKEN_BYTES, salt_block_index, token_bytes
+from blockd.hashing import TOKEN_BYTES, block_payloads, salt_block_index, split_blocks, token_bytes
 from blockd.types import InvalidArgument
 
 MAX_SALT_BYTES = 1024
@@ -13,11 +13,13 @@ MAX_SALT_BYTES = 1024
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """Tokens as uint32 little-endian bytes (converted once, sliced per block)."""
+    """Tokens as uint32 little-endian bytes (converted once, cut into blocks once per
+    block size: a Lookup or Route walks the same prompt in every pool)."""
 
     token_bytes: bytes
     salt: str = ""  # empty: no salt
     public_prefix_tokens: int = 0
+    _payloads: dict[int, list[bytes]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -25,6 +27,18 @@ class Prompt:
 
     def salt_block(self, block_size: int) -> int | None:
         return salt_block_index(self.salt, self.public_prefix_tokens, block_size)
+
+    def blocks(self, block_size: int) -> list[bytes]:
+        """The tokens of each full block (the partial tail has none)."""
+        return split_blocks(self.token_bytes, block_size)
+
+    def payloads(self, block_size: int) -> list[bytes]:
+        """What each full block's hash covers after its parent's (`hashing.block_payloads`)."""
+        payloads = self._payloads.get(block_size)
+        if payloads is None:
+            payloads = block_payloads(self.blocks(block_size), self.salt, self.salt_block(block_size))
+            self._payloads[block_size] = payloads
+        return payloads
 
 
 def make_prompt(

@@ -96,7 +96,9 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
     """Build (not start) blockd on `config.listen`; answers it and the bound address
     (with the real port when the configured one is 0)."""
     if directory is None:
-        hasher = DEFAULT_HASHER if config.test_hash_bytes is None else truncated_hasher(config.test_hash_bytes)
+        hasher = (
+            DEFAULT_HASHER if config.test_hash_bytes is None else truncated_hasher(config.test_hash_bytes)
+        )
         directory = BlockDirectory(config.directory, hasher=hasher)
     server = grpc.aio.server(
         options=[
@@ -105,7 +107,9 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
         ]
     )
     add_service(BlockDirectoryService(directory), server, "BlockDirectoryService")
-    add_service(DirectoryAdminService(directory, AdminAuth(config.admin_token)), server, "DirectoryAdminService")
+    add_service(
+        DirectoryAdminService(directory, AdminAuth(config.admin_token)), server, "DirectoryAdminService"
+    )
     add_service(RoutingService(directory), server, "RoutingService")
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

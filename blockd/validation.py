@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from blockd.config import DirectoryConfig
-from blockd.hashing import TOKEN_BYTES, token_bytes
+from blockd.hashing import block_width, token_bytes
 from blockd.pool import BlockPool, ResyncPlan
 from blockd.prompt import Prompt, make_prompt
 from blockd.types import (
@@ -91,7 +91,6 @@ def plan_resync(pool: BlockPool, config: DirectoryConfig, sequences: Seq[ResyncS
     seen_sequences: set[SequenceId] = set()
     # block id -> (sequence id, identity of the full block, or None for a partial one)
     holders: dict[int, tuple[SequenceId, tuple | None]] = {}
-    width = pool.block_size * TOKEN_BYTES
     for seq in sequences:
         what = f"resync of sequence {seq.sequence_id}"
         if seq.sequence_id in seen_sequences:
@@ -108,21 +107,15 @@ def plan_resync(pool: BlockPool, config: DirectoryConfig, sequences: Seq[ResyncS
             )
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument(f"{what}: a block id appears twice in its table")
-        salt_block = prompt.salt_block(pool.block_size)
-        num_full = len(prompt.token_bytes) // width
+        payloads = prompt.payloads(pool.block_size)  # tokens and salt of each full block
         for i, block_id in enumerate(block_ids):
             if not 0 <= block_id < pool.num_blocks:
                 raise InvalidArgument(
                     f"{what}: block id {block_id} is outside the pool (0 .. {pool.num_blocks - 1})"
                 )
             identity = None
-            if i < num_full:
-                identity = (
-                    i,
-                    block_ids[i - 1] if i else None,
-                    prompt.token_bytes[i * width : (i + 1) * width],
-                    prompt.salt if i == salt_block else None,
-                )
+            if i < len(payloads):
+                identity = (i, block_ids[i - 1] if i else None, payloads[i])
             other = holders.get(block_id)
             if other is not None and (identity is None or other[1] != identity):
                 raise InvalidArgument(
@@ -156,7 +149,7 @@ def _plan_commit(
             f"uncommitted block (index {start}, {first}); got {block_ids[:8]}"
         )
     data = token_bytes(op.token_ids)
-    width = pool.block_size * TOKEN_BYTES
+    width = block_width(pool.block_size)
     if len(data) != len(block_ids) * width:
         raise InvalidArgument(
             f"{what}: partial block: {len(block_ids)} blocks need exactly "

@@ -108,6 +108,7 @@ def check_invariants(directory: BlockDirectory) -> None:
             parent_hash = parent.block_hash if parent is not None else pool.seed
             tag = salt_tag(block.mixed_salt) if block.mixed_salt is not None else UNSALTED_TAG
             assert hasher.block_hash(parent_hash, tag, block.token_bytes) == block_hash, "index key is stale"
+            assert block.payload == tag + block.token_bytes, "payload is not the salt tag and the tokens"
             assert block.depth == (0 if parent is None else parent.depth + 1)
             if parent is not None:
                 children[parent.block_id] += 1

@@ -7,7 +7,17 @@ import sys
 
 import pytest
 
-from blockd.hashing import BlockHasher, namespace_seed, salt_block_index, token_bytes, tokens_of
+from blockd.hashing import (
+    UNSALTED_TAG,
+    BlockHasher,
+    block_payloads,
+    namespace_seed,
+    salt_block_index,
+    salt_tag,
+    split_blocks,
+    token_bytes,
+    tokens_of,
+)
 from blockd.types import InvalidArgument, Namespace
 from tests.daemons import REPO
 
@@ -89,3 +99,64 @@ def test_token_bytes_round_trip_and_range():
     for bad in ([-1], [2**32], ["a"]):
         with pytest.raises(InvalidArgument):
             token_bytes(bad)
+
+
+# Hashes of the first implementation (per-block slices, one digest per block): a
+# faster walk must keep every value, or caches and event mirrors would disagree.
+GOLDEN_SEED = "46af63e8be0d06854f072fa02310a945"
+GOLDEN_CHAINS = {
+    ("", 0): [
+        "6d9e63d0b8d65c74aafe4236d282a443",
+        "5772128f4a86273ba000950f540bd845",
+        "668b1b2fbab95dd370794d9e4b4e3e66",
+    ],
+    ("tenant", 0): [
+        "51d2c15eeab0f42ffc10d04b42bb3ef1",
+        "0c5c777b83b976751b7a2ae5c4fbedb9",
+        "e1ace3201c75af9e0e6cae47b6965c56",
+    ],
+    ("tenant", 5): [
+        "6d9e63d0b8d65c74aafe4236d282a443",
+        "ea5e02b8802dd1635373e61938864cf7",
+        "d0d867e739855bd16660c205d9dc7adc",
+    ],
+}
+
+
+@pytest.mark.parametrize("salt, public", list(GOLDEN_CHAINS))
+def test_hash_values_are_those_of_the_first_implementation(salt, public):
+    seed = namespace_seed(NS, 4)
+    assert seed.hex() == GOLDEN_SEED
+    data = token_bytes(list(range(50, 62)) + [7])  # 3 full blocks and a tail
+    assert [h.hex() for h in BlockHasher().chain(seed, data, 4, salt, public)] == GOLDEN_CHAINS[salt, public]
+
+
+def test_walk_is_the_chain_rule_and_stops_at_the_first_miss():
+    hasher = BlockHasher()
+    seed = namespace_seed(NS, 4)
+    blocks = split_blocks(token_bytes(list(range(50, 62))), 4)
+    hashes = hasher.walk(seed, blocks)
+    assert hashes == hasher.chain(seed, token_bytes(list(range(50, 62))), 4)
+    assert hashes[1] == hasher.block_hash(hashes[0], UNSALTED_TAG, blocks[1])
+    looked_up: list[bytes] = []
+
+    def lookup(block_hash: bytes) -> str | None:
+        looked_up.append(block_hash)
+        return "hit" if block_hash == hashes[0] else None
+
+    assert hasher.walk(seed, blocks, lookup) == ["hit"]
+    assert looked_up == hashes[:2]  # the hit and the one miss; block 2 is never hashed
+
+
+def test_payloads_put_the_salt_tag_in_one_block_only():
+    blocks = split_blocks(token_bytes(list(range(12))), 4)
+    assert block_payloads(blocks, "", None) is blocks
+    assert block_payloads(blocks, "s", 5) is blocks  # the salted block is past this run
+    salted = block_payloads(blocks, "s", 1)
+    assert salted[0] is blocks[0] and salted[2] is blocks[2]
+    assert salted[1] == salt_tag("s") + blocks[1]
+
+
+def test_split_blocks_keeps_zero_bytes_and_drops_the_tail():
+    data = token_bytes([0, 0, 0, 0, 1, 0, 0, 0, 5])
+    assert split_blocks(data, 4) == [bytes(16), token_bytes([1, 0, 0, 0])]
