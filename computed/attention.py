@@ -2,7 +2,7 @@
 
 One forward step carries T new tokens from S sequences, concatenated sequence after
 sequence. Each sequence's earlier K/V lives in the KV pool in the blocks its block table
-names; the step writes the new tokens' K/V into their slots, then every sequence attends
+names; the step writes the new tokens' K/V into their slots, then every query attends
 over its whole context read back from the pool.
 
 Building a batch (the engine's side), e.g. a prompt of 10 tokens whose first 8 are
@@ -19,11 +19,17 @@ A fully cached prompt of 8 tokens still needs the logits of its last token; it r
 position 7 without writing into the shared block:
     SpanInput(block_table=[7, 3], num_computed_tokens=7, num_new_tokens=1, write_kv=False)
 
-CPU choice, measured (torch 2.13, 1-2 threads, batches of 8 and 32 decode sequences, 32/8
-heads, head_dim 128, contexts 100-2000 tokens): one SDPA call per sequence beat one padded,
-masked SDPA call by 1.4-7x (the masked call leaves the fast kernel and pays for padding);
-padding won only for toy models (14/2 heads x 64 and smaller, under 1 ms per layer either
-way). So every sequence gets its own SDPA call, on CPU and on CUDA.
+Plan once per step, run per layer: `build` lays out the slots and asks
+`computed.attention_plan` for the tiles (cascade segments shared by several sequences,
+each sequence's private context, causal new tokens); `paged_attention` runs each tile
+as a few tensor calls, so the number of kernel calls per layer does not grow with the
+number of sequences, and merges the partials of each query by their log-sum-exp.
+
+CPU kernel, measured (`python -m bench.attention_kernels`, torch 2.13, 2 threads, 8/4
+heads x 32): torch's fused CPU flash kernel with the query heads of one K/V head folded
+into the query rows (no K/V repeat) beat a batched matmul by 5x on 64 decode rows x 1,152
+keys and by 3x on one segment of 4,032 rows x 1,024 keys, and beat one SDPA call per
+sequence by 2x. Other devices and dtypes use the float32 matmul path.
 """
 
 from __future__ import annotations
@@ -31,16 +37,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
+from computed.attention_plan import AttentionPlan, Segment, TilePlan, plan_attention
 from computed.kv_pool import KVPool
 
-# Sequences that share leading cached blocks get cascade attention from this many on.
-MIN_CASCADE_SEQUENCES = 2
-# torch's fused CPU attention that also returns the log-sum-exp the cascade merge needs
-# (6x faster than the einsum fallback on CPU); the einsum path serves other devices.
+# torch's fused CPU attention that also returns the log-sum-exp the merge needs.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+SharedPrefix = Segment  # the cascade's shared runs of blocks (see attention_plan.Segment)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class SpanInput:
 
 @dataclass(frozen=True)
 class SequenceSpan:
-    """One sequence's slice of the flat batch, ready for the kernels.
+    """One sequence's slice of the flat batch.
 
     Invariant: the new tokens are the last `query_len` of the `context_len` visible ones,
     so new token i sits at position `context_len - query_len + i` and sees keys
@@ -74,31 +80,39 @@ class SequenceSpan:
     query_start: int  # index of the first new token in the flat batch
     query_len: int
     context_len: int  # tokens visible after this step, new ones included
-    block_table: torch.Tensor  # (ceil(context_len / block_size),) int64 block ids
-    attn_mask: torch.Tensor | None  # (query_len, context_len) bool, True = may attend; see is_causal
-
-    @property
-    def is_causal(self) -> bool:
-        """No cached prefix: a plain causal mask (SDPA's is_causal) is the right one."""
-        return self.attn_mask is None and self.query_len > 1
+    block_table: torch.Tensor  # (ceil(context_len / block_size),) int64 block ids (host)
 
 
 @dataclass(frozen=True)
-class SharedPrefix:
-    """Sequences of one step whose block tables start with the same blocks.
+class Tile:
+    """A TilePlan's index tensors on the device (built once per step, read by every layer)."""
 
-    Cascade attention: all their query tokens attend to the shared blocks in ONE
-    batched call (the prefix K/V is read from the pool once, not once per sequence),
-    then each sequence's queries attend to its own suffix (causally), and the two
-    halves are merged exactly through their log-sum-exp. Invariant: every shared token
-    precedes every member's first query, so no mask is needed over the shared part,
-    and each query sees at least itself in its suffix.
-    """
+    query_rows: torch.Tensor  # (I, Qm) int64
+    key_slots: torch.Tensor  # (I * Lm,) int64, item-major
+    key_bias: torch.Tensor | None  # (I, 1, 1, Lm) float32: 0 for a real key, -inf for padding
+    causal: bool
+    valid: torch.Tensor  # (P,) int64 into the flattened (I * Qm) results
+    valid_rows: torch.Tensor  # (P,) int64 flat query rows
+    num_items: int
+    num_queries: int  # Qm
+    num_keys: int  # Lm
 
-    span_indices: tuple[int, ...]  # members, in batch order
-    query_index: torch.Tensor  # (Q,) int64 flat indices of every member's query tokens, member by member
-    block_table: torch.Tensor  # (num_blocks,) int64 the shared blocks
-    num_blocks: int
+    @classmethod
+    def from_plan(cls, plan: TilePlan, device: torch.device) -> Tile:
+        num_items, width_q = plan.query_rows.shape
+        width_k = plan.key_slots.shape[1]
+        bias = None
+        if plan.needs_key_mask:
+            padding = np.arange(width_k)[None, :] >= plan.key_lens[:, None]  # (I, Lm)
+            bias = torch.zeros(num_items, 1, 1, width_k).masked_fill_(
+                torch.from_numpy(padding)[:, None, None, :], float("-inf")).to(device)
+        return cls(
+            query_rows=torch.from_numpy(plan.query_rows).to(device),
+            key_slots=torch.from_numpy(plan.key_slots.reshape(-1)).to(device),
+            key_bias=bias, causal=plan.causal,
+            valid=torch.from_numpy(plan.valid).to(device),
+            valid_rows=torch.from_numpy(plan.valid_rows).to(device),
+            num_items=num_items, num_queries=width_q, num_keys=width_k)
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,8 @@ class AttentionBatch:
     """Everything one forward needs to know about where K/V lives. Build with `build`.
 
     Invariants: spans are in flat-batch order and tile [0, T) exactly; `write_slots` are
-    distinct; `write_token_index` is ascending.
+    distinct; `write_token_index` is ascending; every query row is covered by the tiles'
+    partials, which together read exactly its context once.
     """
 
     block_size: int
@@ -116,8 +131,11 @@ class AttentionBatch:
     spans: tuple[SequenceSpan, ...]
     last_token_index: torch.Tensor  # (S,) int64 flat index of each sequence's last new token
     max_position: int  # max(positions), known without a device sync
-    # Groups of decode sequences sharing leading blocks (see SharedPrefix); may be empty.
+    tiles: tuple[Tile, ...] = ()
+    # Runs of blocks shared by several sequences, read once per step (cascade); may be empty.
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    needs_merge: bool = False
+    merge_rows: torch.Tensor | None = None  # (P,) flat query row of every partial, tile after tile
 
     @property
     def num_tokens(self) -> int:
@@ -134,51 +152,50 @@ class AttentionBatch:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not spans:
             raise ValueError("a batch needs at least one sequence")
-        positions: list[int] = []
-        slots: list[int] = []
-        token_index: list[int] = []
-        tables: list[int] = []
-        layout: list[tuple[int, int, int, int, int]] = []  # query_start, len, context, table start, end
         for span in spans:
             _check_span(span, block_size)
-            start, first = len(positions), span.num_computed_tokens
-            context_len = first + span.num_new_tokens
-            writes = span.write_kv
-            if isinstance(writes, bool):
-                writes = [writes] * span.num_new_tokens
-            for i, position in enumerate(range(first, context_len)):
-                if writes[i]:
-                    block = span.block_table[position // block_size]
-                    slots.append(block * block_size + position % block_size)
-                    token_index.append(start + i)
-            positions.extend(range(first, context_len))
-            num_blocks = -(-context_len // block_size)
-            layout.append((start, span.num_new_tokens, context_len, len(tables), len(tables) + num_blocks))
-            tables.extend(span.block_table[:num_blocks])
-        if len(set(slots)) != len(slots):
+        device = torch.device(device)
+        lens = np.array([s.num_new_tokens for s in spans], dtype=np.int64)
+        firsts = np.array([s.num_computed_tokens for s in spans], dtype=np.int64)
+        contexts = firsts + lens
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+        num_blocks = -(-contexts // block_size)
+        tables = np.zeros((len(spans), int(num_blocks.max())), dtype=np.int64)
+        for i, span in enumerate(spans):
+            tables[i, :num_blocks[i]] = span.block_table[:num_blocks[i]]
+        span_of_token = np.repeat(np.arange(len(spans)), lens)  # (T,)
+        positions = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts - firsts, lens)
+        slots = tables[span_of_token, positions // block_size] * block_size + positions % block_size
+        writes = np.concatenate([np.full(s.num_new_tokens, s.write_kv, dtype=bool)
+                                 if isinstance(s.write_kv, bool) else np.asarray(s.write_kv, dtype=bool)
+                                 for s in spans])
+        write_index = np.flatnonzero(writes)
+        write_slots = slots[write_index]
+        if len(np.unique(write_slots)) != len(write_slots):
             raise ValueError("two new tokens of the batch write the same pool slot")
 
-        device = torch.device(device)
-        table_tensor = torch.tensor(tables, dtype=torch.long, device=device)
-        sequence_spans = tuple(
-            SequenceSpan(start, query_len, context_len, table_tensor[lo:hi],
-                         _prefix_causal_mask(query_len, context_len, device))
-            for start, query_len, context_len, lo, hi in layout)
+        plan: AttentionPlan = plan_attention(starts, lens, contexts, tables, block_size)
+        tiles = tuple(Tile.from_plan(t, device) for t in plan.tiles)
+        host_tables = torch.from_numpy(tables)
         return cls(
             block_size=block_size,
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            write_slots=torch.tensor(slots, dtype=torch.long, device=device),
-            write_token_index=torch.tensor(token_index, dtype=torch.long, device=device),
-            spans=sequence_spans,
-            last_token_index=torch.tensor([s + n - 1 for s, n, *_ in layout], dtype=torch.long, device=device),
-            max_position=max(positions),
-            shared_prefixes=_shared_prefixes(spans, layout, block_size, device),
+            positions=torch.from_numpy(positions).to(device),
+            write_slots=torch.from_numpy(write_slots).to(device),
+            write_token_index=torch.from_numpy(write_index.astype(np.int64)).to(device),
+            spans=tuple(SequenceSpan(int(starts[i]), int(lens[i]), int(contexts[i]),
+                                     host_tables[i, :num_blocks[i]]) for i in range(len(spans))),
+            last_token_index=torch.from_numpy(starts + lens - 1).to(device),
+            max_position=int(contexts.max()) - 1,
+            tiles=tiles,
+            shared_prefixes=plan.segments,
+            needs_merge=plan.needs_merge,
+            merge_rows=torch.cat([t.valid_rows for t in tiles]) if plan.needs_merge else None,
         )
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, layer_idx: int,
                     batch: AttentionBatch, pool: KVPool, scale: float) -> torch.Tensor:
-    """Write the new K/V into the pool, then attend each sequence over its context.
+    """Write the new K/V into the pool, then attend every query over its context.
 
     q (T, H, D), k_new/v_new (T, Hkv, D) -> out (T, H, D). H must be a multiple of Hkv.
     """
@@ -186,112 +203,82 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
     num_kv_heads = k_new.shape[1]
     assert num_tokens == batch.num_tokens, f"{num_tokens} tokens for a batch of {batch.num_tokens}"
     assert pool.block_size == batch.block_size, "batch built for another block size"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} K/V heads"
     key_cache, value_cache = pool.key(layer_idx), pool.value(layer_idx)  # (N, B, Hkv, D)
     _write(key_cache, value_cache, k_new, v_new, batch)
+    keys = key_cache.view(-1, num_kv_heads * head_dim)  # (N * B, Hkv * D): one row per slot
+    values = value_cache.view(-1, num_kv_heads * head_dim)
 
-    out = torch.empty_like(q)
-    in_cascade: set[int] = set()
-    for group in batch.shared_prefixes:
-        out[group.query_index] = _cascade(q, key_cache, value_cache, group, batch, scale)
-        in_cascade.update(group.span_indices)
-    for index, span in enumerate(batch.spans):
-        if index in in_cascade:
-            continue
-        end = span.query_start + span.query_len
-        # (nb, B, Hkv, D) -> (C, Hkv, D) -> (1, Hkv, C, D)
-        k = key_cache[span.block_table].view(-1, num_kv_heads, head_dim)[: span.context_len]
-        v = value_cache[span.block_table].view(-1, num_kv_heads, head_dim)[: span.context_len]
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        q_span = q[span.query_start:end].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
-        o = F.scaled_dot_product_attention(q_span, k, v, attn_mask=span.attn_mask, is_causal=span.is_causal,
-                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
-        out[span.query_start:end] = o[0].transpose(0, 1)  # (Lq, H, D)
-    return out
+    outs, lses = [], []
+    for tile in batch.tiles:
+        o, lse = _attend_tile(q, keys, values, tile, num_kv_heads, scale)  # (I*Qm, H, D), (I*Qm, H)
+        outs.append(o.index_select(0, tile.valid))
+        lses.append(lse.index_select(0, tile.valid) if batch.needs_merge else None)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    if not batch.needs_merge:  # one partial per query row: place them
+        for tile, o in zip(batch.tiles, outs):
+            out.index_copy_(0, tile.valid_rows, o)
+        return out.to(q.dtype)
+    return _merge(torch.cat(outs), torch.cat(lses), batch.merge_rows, out).to(q.dtype)
 
 
-def _cascade(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: SharedPrefix,
-             batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """Attend to the shared blocks together, to each suffix alone, and merge the halves
-    by their log-sum-exp (exact, up to float rounding). Returns (Q, H, D)."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    shared_len = group.num_blocks * batch.block_size
-    queries = q[group.query_index]  # (Q, H, D)
-    k = key_cache[group.block_table].view(-1, num_kv_heads, head_dim)  # (P, Hkv, D), read once
-    v = value_cache[group.block_table].view(-1, num_kv_heads, head_dim)
-    out, lse = _attend_with_lse(queries, k, v, scale)  # (Q, H, D), (Q, H)
-    row = 0
-    for index in group.span_indices:
-        span = batch.spans[index]
-        rows = slice(row, row + span.query_len)
-        row += span.query_len
-        suffix_len = span.context_len - shared_len
-        table = span.block_table[group.num_blocks:]
-        ks = key_cache[table].view(-1, num_kv_heads, head_dim)[:suffix_len]  # (L, Hkv, D)
-        vs = value_cache[table].view(-1, num_kv_heads, head_dim)[:suffix_len]
-        mask = None
-        if span.query_len > 1:  # query i sits at suffix position L - query_len + i
-            first = suffix_len - span.query_len
-            mask = (torch.arange(suffix_len, device=q.device)[None, :]
-                    <= torch.arange(first, suffix_len, device=q.device)[:, None])  # (Lq, L)
-        o2, lse2 = _attend_with_lse(queries[rows], ks, vs, scale, mask)  # (Lq, H, D), (Lq, H)
-        top = torch.maximum(lse[rows], lse2)  # (Lq, H)
-        w1, w2 = (lse[rows] - top).exp()[..., None], (lse2 - top).exp()[..., None]
-        out[rows] = (out[rows] * w1 + o2 * w2) / (w1 + w2)
-    return out.to(q.dtype)
-
-
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (S, H, D) over k/v (N, Hkv, D) in float32, grouped-query; `mask`
-    (S, N) bool, True = may attend (each row must allow one key at least).
-    Returns out (S, H, D) float32 and the log-sum-exp of the scores (S, H)."""
-    num_queries, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+def _attend_tile(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: Tile, num_kv_heads: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile's attention. Returns float32 out (I*Qm, H, D) and log-sum-exp (I*Qm, H)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    items, width_q, width_k = tile.num_items, tile.num_queries, tile.num_keys
+    qt = q[tile.query_rows]  # (I, Qm, H, D)
+    kt = keys.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)  # (I, Lm, Hkv, D)
+    vt = values.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)
     if _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32:
-        group = num_heads // num_kv_heads
-        # (N, Hkv, D) -> (1, H, N, D): the CPU flash kernel wants as many K/V heads as Q heads.
-        kh = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        vh = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
-        out, lse = _FLASH_CPU(q.transpose(0, 1)[None], kh, vh, 0.0, False, attn_mask=additive, scale=scale)
-        return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # (S, H, D), (S, H)
-    qg = q.float().view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, Hkv, g, D)
-    scores = torch.einsum("skgd,nkd->skgn", qg, k.float()) * scale  # (S, Hkv, g, N)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = (scores - top).exp()
-    total = weights.sum(dim=-1, keepdim=True)
-    out = torch.einsum("skgn,nkd->skgd", weights, v.float()) / total  # (S, Hkv, g, D)
-    lse = (top + total.log()).squeeze(-1)  # (S, Hkv, g)
-    return out.reshape(num_queries, num_heads, head_dim), lse.reshape(num_queries, num_heads)
+        if tile.causal:
+            # Causal rows need their own positions: repeat K/V per query head instead.
+            kh = kt.transpose(1, 2).repeat_interleave(group, dim=1)  # (I, H, Lm, D)
+            vh = vt.transpose(1, 2).repeat_interleave(group, dim=1)
+            o, lse = _FLASH_CPU(qt.transpose(1, 2), kh, vh, 0.0, True, scale=scale)  # (I, H, Qm, D), (I, H, Qm)
+            return (o.transpose(1, 2).reshape(items * width_q, num_heads, head_dim),
+                    lse.transpose(1, 2).reshape(items * width_q, num_heads))
+        # Fold each K/V head's query heads into its query rows: (I, Hkv, Qm * g, D).
+        qf = qt.view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+        qf = qf.reshape(items, num_kv_heads, width_q * group, head_dim)
+        o, lse = _FLASH_CPU(qf, kt.transpose(1, 2), vt.transpose(1, 2), 0.0, False,
+                            attn_mask=tile.key_bias, scale=scale)  # (I, Hkv, Qm*g, D), (I, Hkv, Qm*g)
+        o = o.view(items, num_kv_heads, width_q, group, head_dim).permute(0, 2, 1, 3, 4)
+        lse = lse.view(items, num_kv_heads, width_q, group).permute(0, 2, 1, 3)
+        return o.reshape(items * width_q, num_heads, head_dim), lse.reshape(items * width_q, num_heads)
+    return _attend_tile_matmul(qt, kt, vt, tile, scale)
 
 
-def _shared_prefixes(spans: Sequence[SpanInput], layout: list[tuple[int, int, int, int, int]], block_size: int,
-                     device: torch.device) -> tuple[SharedPrefix, ...]:
-    """Group spans that follow at least one cached block by their first block; keep groups
-    of at least MIN_CASCADE_SEQUENCES, sharing the leading blocks that lie wholly before
-    every member's first query."""
-    by_first: dict[int, list[int]] = {}
-    for index, span in enumerate(spans):
-        if span.num_computed_tokens >= block_size:
-            by_first.setdefault(span.block_table[0], []).append(index)
-    groups = []
-    for members in by_first.values():
-        if len(members) < MIN_CASCADE_SEQUENCES:
-            continue
-        limit = min(spans[i].num_computed_tokens // block_size for i in members)
-        first = spans[members[0]].block_table
-        common = 0
-        while common < limit and all(spans[i].block_table[common] == first[common] for i in members):
-            common += 1
-        rows = [t for i in members for t in range(layout[i][0], layout[i][0] + layout[i][1])]
-        groups.append(SharedPrefix(
-            span_indices=tuple(members),
-            query_index=torch.tensor(rows, dtype=torch.long, device=device),
-            block_table=torch.tensor(list(first[:common]), dtype=torch.long, device=device),
-            num_blocks=common))
-    return tuple(groups)
+def _attend_tile_matmul(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, tile: Tile,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in float32 matmuls (any device, any dtype)."""
+    items, width_q, num_heads, head_dim = qt.shape
+    width_k, num_kv_heads = kt.shape[1], kt.shape[2]
+    group = num_heads // num_kv_heads
+    qg = qt.float().view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # (I, Hkv, g, Qm, D)
+    scores = qg @ kt.float().permute(0, 2, 3, 1)[:, :, None] * scale  # (I, Hkv, g, Qm, Lm)
+    if tile.causal:
+        future = torch.ones(width_q, width_k, dtype=torch.bool, device=qt.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    if tile.key_bias is not None:
+        scores = scores + tile.key_bias[:, :, None]  # (I, 1, 1, 1, Lm)
+    lse = scores.logsumexp(dim=-1)  # (I, Hkv, g, Qm)
+    o = (scores - lse[..., None]).exp() @ vt.float().transpose(1, 2)[:, :, None]  # (I, Hkv, g, Qm, D)
+    o = o.permute(0, 3, 1, 2, 4).reshape(items * width_q, num_heads, head_dim)
+    return o, lse.permute(0, 3, 1, 2).reshape(items * width_q, num_heads)
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Combine partials (P, H, D) with log-sum-exp (P, H) into their rows of `out` (T, H, D):
+    out[r] = sum_p exp(lse_p - m_r) o_p / sum_p exp(lse_p - m_r), m_r = max_p lse_p."""
+    num_tokens, num_heads = out.shape[0], out.shape[1]
+    top = torch.full((num_tokens, num_heads), float("-inf"), device=o.device)
+    top.scatter_reduce_(0, rows[:, None].expand(-1, num_heads), lse, reduce="amax")
+    weight = (lse - top.index_select(0, rows)).exp()  # (P, H)
+    total = torch.zeros(num_tokens, num_heads, device=o.device).index_add_(0, rows, weight)
+    out.zero_().index_add_(0, rows, o * weight[..., None])
+    return out / total[..., None]
 
 
 def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -305,15 +292,6 @@ def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k_new: torch.Tens
     _, _, num_kv_heads, head_dim = key_cache.shape
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.write_slots, k_new.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.write_slots, v_new.to(value_cache.dtype))
-
-
-def _prefix_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor | None:
-    """(Lq, C) bool mask for queries that follow a cached prefix; None when not needed."""
-    if query_len == 1 or query_len == context_len:
-        return None  # one query sees everything / no prefix: is_causal does it
-    first = context_len - query_len
-    query_pos = torch.arange(first, context_len, device=device)[:, None]
-    return torch.arange(context_len, device=device)[None, :] <= query_pos
 
 
 def _check_span(span: SpanInput, block_size: int) -> None:

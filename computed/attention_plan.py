@@ -1,0 +1,195 @@
+"""Plan one step's attention on the host: which queries read which pool slots, grouped
+into a few padded tiles (pure: numpy only, no torch, no I/O).
+
+The run half (`computed.attention`) issues a fixed number of kernel calls per tile, so a
+layer's kernel count depends on the tiles' shapes, never on how many sequences a step
+carries. Plan once per step, run per layer (FlashInfer's plan/run split).
+
+**Work items.** Every query row of the step gets one or more *partials*: attention over
+one contiguous run of its context. The partials of a row are merged exactly through
+their log-sum-exp, so splitting a context changes nothing but float rounding.
+
+- *Shared segment* (cascade): a run of cached blocks that the block tables of two or more
+  sequences hold in common, at the same depth. All member queries attend to it in one
+  item, so its K/V is read once however many sequences share it. Segments nest: the
+  tables form a trie (a system prompt shared by all, a document shared by some, ...),
+  and every maximal run of blocks with the same set of members is one segment.
+- *Private context*: the rest of a sequence's cached context, after its deepest segment.
+- *New tokens*: a sequence's new positions attend causally to each other (a square,
+  top-left-aligned causal item: no mask). A single new token instead joins its private
+  context item (it sees everything, itself included).
+
+**Visibility.** A segment or private-context item holds only keys strictly before every
+one of its queries (whole blocks before `num_computed_tokens`), so only padding is masked.
+
+**Tiles.** Items are grouped by the next power of two of their query and key lengths and
+padded to the group's largest: padding wastes at most half of a tile, and a step has at
+most log2(queries) x log2(keys) tiles of each kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# A segment needs this many member sequences to be worth its own item.
+MIN_SEGMENT_MEMBERS = 2
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Items of like shape, padded: I items x Qm query rows x Lm keys.
+
+    Invariants: `query_rows` and `key_slots` index real rows/slots (padding repeats a real
+    one); `valid` lists, in item-major order, the padded positions (i * Qm + q) that are
+    real queries, and `valid_rows` the flat query row each of them belongs to. A causal
+    tile has Qm == Lm and item i's query q sees its keys 0..q; otherwise every query sees
+    keys `0 .. key_lens[i] - 1` of its item.
+    """
+
+    query_rows: np.ndarray  # (I, Qm) int64 flat query rows
+    key_slots: np.ndarray  # (I, Lm) int64 pool slots (block_id * block_size + offset)
+    key_lens: np.ndarray  # (I,) int64 real keys per item
+    causal: bool
+    valid: np.ndarray  # (P,) int64 positions in the flattened (I * Qm) results that are real
+    valid_rows: np.ndarray  # (P,) int64 flat query row of each real result
+
+    @property
+    def needs_key_mask(self) -> bool:
+        """Some item has fewer keys than the tile is wide (causal tiles never need one)."""
+        return not self.causal and bool((self.key_lens < self.key_slots.shape[1]).any())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of blocks `[first_block, first_block + num_blocks)` of every member's table,
+    the same physical blocks in all of them (so the same K/V)."""
+
+    span_indices: tuple[int, ...]
+    first_block: int
+    num_blocks: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    tiles: tuple[TilePlan, ...]
+    segments: tuple[Segment, ...]
+    # True when some query row has more than one partial (a log-sum-exp merge is needed).
+    needs_merge: bool
+
+
+def find_segments(tables: np.ndarray, shareable: np.ndarray) -> list[Segment]:
+    """Shared runs of the block-table trie.
+
+    tables (S, N) int64 block ids, shareable (S,) how many leading blocks of each row may
+    be shared (whole blocks before its first query). Returns the maximal runs of at least
+    one block held at the same depth by >= MIN_SEGMENT_MEMBERS rows, parents before children.
+    """
+    num_spans, width = tables.shape
+    if num_spans < MIN_SEGMENT_MEMBERS or width == 0:
+        return []
+    # Blocks past a row's shareable prefix become a value unique to that row, so they
+    # never match anything: the trie walk then only has to compare columns.
+    columns = np.arange(width)[None, :]
+    keyed = np.where(columns < shareable[:, None], tables, -1 - np.arange(num_spans)[:, None])
+    segments: list[Segment] = []
+    pending = [(np.flatnonzero(shareable > 0), 0)]
+    while pending:
+        members, depth = pending.pop()
+        if len(members) < MIN_SEGMENT_MEMBERS or depth >= width:
+            continue
+        rest = keyed[members, depth:]
+        differs = (rest != rest[0]).any(axis=0)
+        run = int(differs.argmax()) if differs.any() else rest.shape[1]
+        if run > 0 and rest[0, 0] >= 0:
+            segments.append(Segment(tuple(int(m) for m in members), depth, run,
+                                    tuple(int(b) for b in rest[0, :run])))
+        depth += run
+        if depth >= width:
+            continue
+        column = keyed[members, depth]
+        values, counts = np.unique(column, return_counts=True)
+        for value in values[(counts >= MIN_SEGMENT_MEMBERS) & (values >= 0)][::-1]:
+            pending.append((members[column == value], depth))
+    segments.sort(key=lambda s: (s.first_block, s.span_indices))
+    return segments
+
+
+@dataclass
+class _Item:
+    rows: np.ndarray  # (Q,) flat query rows
+    slots: np.ndarray  # (L,) pool slots
+    causal: bool
+
+
+def plan_attention(query_starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
+                   tables: np.ndarray, block_size: int) -> AttentionPlan:
+    """The tiles of one step. `tables` (S, N) int64 block ids (padding past a row's blocks
+    is never read); span i's new queries are flat rows `query_starts[i] ...` at positions
+    `context_lens[i] - query_lens[i] ...`."""
+    starts = np.asarray(query_starts, dtype=np.int64)
+    lens = np.asarray(query_lens, dtype=np.int64)
+    contexts = np.asarray(context_lens, dtype=np.int64)
+    firsts = contexts - lens
+    segments = find_segments(tables, firsts // block_size)
+    covered = np.zeros(len(starts), dtype=np.int64)  # blocks of each span read through segments
+    offsets = np.arange(block_size, dtype=np.int64)
+    items: list[_Item] = []
+    for seg in segments:
+        members = np.asarray(seg.span_indices)
+        rows = np.concatenate([np.arange(starts[m], starts[m] + lens[m]) for m in members])
+        slots = (np.asarray(seg.block_ids, dtype=np.int64)[:, None] * block_size + offsets).ravel()
+        items.append(_Item(rows, slots, causal=False))
+        covered[members] = np.maximum(covered[members], seg.first_block + seg.num_blocks)
+    for i in range(len(starts)):
+        rows = np.arange(starts[i], starts[i] + lens[i])
+        begin = int(covered[i]) * block_size
+        # One new token sees its whole context; several see the cached part whole and
+        # each other causally.
+        private_end = int(contexts[i]) if lens[i] == 1 else int(firsts[i])
+        if private_end > begin:
+            items.append(_Item(rows, _slots(tables[i], begin, private_end, block_size), causal=False))
+        if lens[i] > 1:
+            items.append(_Item(rows, _slots(tables[i], int(firsts[i]), int(contexts[i]), block_size),
+                               causal=True))
+    num_partials = sum(len(item.rows) for item in items)
+    return AttentionPlan(_tile(items), tuple(segments), needs_merge=num_partials != int(lens.sum()))
+
+
+def _slots(table: np.ndarray, begin: int, end: int, block_size: int) -> np.ndarray:
+    positions = np.arange(begin, end, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _tile(items: list[_Item]) -> tuple[TilePlan, ...]:
+    groups: dict[tuple[bool, int, int], list[_Item]] = {}
+    for item in items:
+        key = (item.causal, _ceil_pow2(len(item.rows)), _ceil_pow2(len(item.slots)))
+        groups.setdefault(key, []).append(item)
+    tiles = []
+    for (causal, _, _), group in sorted(groups.items(), key=lambda kv: kv[0]):
+        width_q = max(len(item.rows) for item in group)
+        width_k = max(len(item.slots) for item in group)
+        if causal:
+            width_q = width_k = max(width_q, width_k)
+        query_rows = np.empty((len(group), width_q), dtype=np.int64)
+        key_slots = np.empty((len(group), width_k), dtype=np.int64)
+        valid: list[np.ndarray] = []
+        for i, item in enumerate(group):
+            query_rows[i, :len(item.rows)] = item.rows
+            query_rows[i, len(item.rows):] = item.rows[0]
+            key_slots[i, :len(item.slots)] = item.slots
+            key_slots[i, len(item.slots):] = item.slots[0]
+            valid.append(i * width_q + np.arange(len(item.rows)))
+        tiles.append(TilePlan(
+            query_rows=query_rows, key_slots=key_slots,
+            key_lens=np.array([len(item.slots) for item in group], dtype=np.int64), causal=causal,
+            valid=np.concatenate(valid), valid_rows=np.concatenate([item.rows for item in group])))
+    return tuple(tiles)
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,144 @@
+"""The batched paged attention against dense attention, and the plan's shape guarantees.
+
+Random steps mix decode rows and prefill chunks over block tables that share nested
+prefixes (the same physical blocks at the same depth), so every tile kind, key padding
+and the log-sum-exp merge are exercised; both the fused CPU kernel and the matmul path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from computed import attention
+from computed.attention import AttentionBatch, SpanInput, paged_attention
+from computed.attention_plan import find_segments
+from computed.kv_pool import KVPool
+
+CPU = torch.device("cpu")
+
+
+def _random_step(rng: random.Random, block: int, num_spans: int):
+    """Block tables from a random trie of shared runs; returns spans and each span's
+    dense K/V (context) with the shared blocks' K/V identical across sharers."""
+    free = list(range(1, 400))
+    rng.shuffle(free)
+    trunks = [[free.pop() for _ in range(rng.randint(1, 4))] for _ in range(2)]
+    branches = [trunk + [free.pop() for _ in range(rng.randint(0, 3))] for trunk in trunks for _ in range(2)]
+    spans, tables, cached, lengths = [], [], [], []
+    for _ in range(num_spans):
+        base = list(rng.choice(branches + [[]]))
+        new = 1 if rng.random() < 0.6 else rng.randint(2, 3 * block)
+        extra = rng.randint(0, 2 * block)  # private cached tokens after the shared blocks
+        done = len(base) * block + extra
+        total = done + new
+        table = base + [free.pop() for _ in range(-(-total // block) - len(base))]
+        tables.append(table)
+        cached.append(done)
+        lengths.append(total)
+        spans.append(SpanInput(table, done, new))
+    return spans, tables, cached, lengths
+
+
+def _fill(pool: KVPool, tables, cached, kv_heads: int, dim: int, gen: torch.Generator):
+    """Random K/V per physical block slot (shared blocks hence agree), read back densely."""
+    block = pool.block_size
+    slot_k = torch.randn(pool.num_blocks * block, kv_heads, dim, generator=gen)
+    slot_v = torch.randn(pool.num_blocks * block, kv_heads, dim, generator=gen)
+    pool.key(0).view(-1, kv_heads, dim).copy_(slot_k)
+    pool.value(0).view(-1, kv_heads, dim).copy_(slot_v)
+    keys, values = [], []
+    for table, done in zip(tables, cached):
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(done)], dtype=torch.long)
+        keys.append(slot_k[slots])
+        values.append(slot_v[slots])
+    return keys, values
+
+
+def _dense(q, keys, values, heads: int, kv_heads: int, dim: int, cached, lengths):
+    out, start = [], 0
+    for k, v, c, n in zip(keys, values, cached, lengths):
+        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
+        kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
+        vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
+        visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
+        out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1))
+        start += n - c
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "matmul"])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_steps_match_dense_attention(seed: int, fused: bool, monkeypatch) -> None:
+    if not fused:
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, block = rng.choice([(4, 2, 8), (6, 3, 16), (4, 4, 8), (8, 1, 8)]) + (rng.choice([4, 16]),)
+    spans, tables, cached, lengths = _random_step(rng, block, rng.randint(1, 12))
+    pool = KVPool(1, 400, block, kv_heads, dim, torch.float32, CPU)
+    keys, values = _fill(pool, tables, cached, kv_heads, dim, gen)
+    batch = AttentionBatch.build(spans, block, CPU)
+    k_new = torch.randn(batch.num_tokens, kv_heads, dim, generator=gen)
+    v_new = torch.randn(batch.num_tokens, kv_heads, dim, generator=gen)
+    q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
+    start = 0
+    for i, (c, n) in enumerate(zip(cached, lengths)):  # the dense context includes the new tokens
+        keys[i] = torch.cat([keys[i], k_new[start:start + n - c]])
+        values[i] = torch.cat([values[i], v_new[start:start + n - c]])
+        start += n - c
+    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
+    torch.testing.assert_close(out, _dense(q, keys, values, heads, kv_heads, dim, cached, lengths),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_nested_prefixes_become_nested_segments() -> None:
+    # a, b, c share [1, 2]; a and b also share [3]; d shares nothing.
+    tables = np.array([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 0], [7, 8, 9, 0]])
+    segments = find_segments(tables, np.array([4, 4, 3, 3]))
+    assert [(s.span_indices, s.first_block, s.block_ids) for s in segments] == [
+        ((0, 1, 2), 0, (1, 2)), ((0, 1), 2, (3,))]
+
+
+def test_segments_stop_before_unshareable_blocks() -> None:
+    tables = np.array([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    # The third row may share only its first block (its queries sit in the second).
+    segments = find_segments(tables, np.array([3, 3, 1]))
+    assert [(s.span_indices, s.first_block, s.num_blocks) for s in segments] == [
+        ((0, 1, 2), 0, 1), ((0, 1), 1, 2)]
+    assert find_segments(tables, np.array([0, 0, 3])) == []
+
+
+def test_kernel_calls_do_not_grow_with_the_batch() -> None:
+    """8 or 64 decode rows over one shared prefix: the same tiles, so the same calls."""
+    def tiles(num_spans: int) -> list[tuple[bool, int, int]]:
+        shared = list(range(64))
+        spans = [SpanInput(shared + [100 + 4 * i, 101 + 4 * i, 102 + 4 * i], 64 * 16 + 40, 1)
+                 for i in range(num_spans)]
+        batch = AttentionBatch.build(spans, 16, CPU)
+        return [(t.causal, t.num_queries > 1, t.num_keys) for t in batch.tiles]
+
+    assert tiles(8) == tiles(64)
+    assert len(tiles(64)) == 2  # the shared segment, and every private context in one tile
+
+
+def test_a_full_hit_reads_its_last_position_from_the_pool() -> None:
+    """write_kv=False: the recomputed position's K/V comes from the committed block."""
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(1, 8, 4, 2, 8, torch.float32, CPU)
+    pool.key(0).copy_(torch.randn(8, 4, 2, 8, generator=gen))
+    pool.value(0).copy_(torch.randn(8, 4, 2, 8, generator=gen))
+    before = pool.kv.clone()
+    batch = AttentionBatch.build([SpanInput([5, 2], 7, 1, write_kv=False)], 4, CPU)
+    q = torch.randn(1, 4, 8, generator=gen)
+    garbage = torch.full((1, 2, 8), 1e3)
+    out = paged_attention(q, garbage, garbage, 0, batch, pool, scale=8 ** -0.5)
+    assert torch.equal(pool.kv, before)
+    k = torch.cat([pool.key(0)[5], pool.key(0)[2]])  # (8, 2, 8)
+    v = torch.cat([pool.value(0)[5], pool.value(0)[2]])
+    expected = _dense(q, [k], [v], 4, 2, 8, [7], [8])
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
