@@ -1,33 +1,152 @@
-"""Validate a whole Step or Resync before anything changes.
+"""Every check of client input, in one place, before anything changes.
 
-A step's ops are checked together, simulating the order they will be applied in
-(commits, releases, grows, admits): a release frees its sequence id for an admit of
-the same step, a grow cannot reach a sequence released before it, and so on. Any
-bad op raises a `DirectoryError` and the pool is untouched; an op that passes can
-only fail for lack of free blocks, which is a per-op result, not an error.
+Identities and limits (pool ids, registration, pages, pins, salts, token lists) are
+checked field by field; a Step or Resync is checked as a whole. A step's ops are
+checked together, simulating the order they will be applied in (commits, releases,
+grows, admits): a release frees its sequence id for an admit of the same step, a
+grow cannot reach a sequence released before it, and so on. Any bad input raises a
+`DirectoryError` whose message says what to fix, and nothing has changed; an op that
+passes can only fail for lack of free blocks, which is a per-op result, not an error.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
+import math
+import re
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from blockd.config import DirectoryConfig
+from blockd.config import MAX_BLOCK_SIZE, MAX_POOL_BLOCKS, DirectoryConfig
 from blockd.hashing import block_width, token_bytes
 from blockd.pool import BlockPool, ResyncPlan
-from blockd.prompt import Prompt, make_prompt
+from blockd.prompt import Prompt
 from blockd.types import (
     AdmitOp,
     BlockId,
     CommitOp,
     GrowOp,
     InvalidArgument,
+    Namespace,
     NotFound,
+    PoolId,
     ReleaseOp,
     ResourceExhausted,
     ResyncSequence,
     SequenceId,
 )
+
+MAX_NAME_CHARS = 256
+MAX_SALT_BYTES = 1024
+MAX_PIN_TTL_SECONDS = 30 * 86_400
+DEFAULT_PIN_TTL_SECONDS = 3_600.0
+DEFAULT_PAGE_SIZE = 1_000
+MAX_PAGE_SIZE = 10_000
+_POOL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+# ---------------------------------------------------------------- pools
+
+
+def check_registration(
+    num_blocks: int, block_size: int, namespace: Namespace, worker_address: str, pool_id: PoolId | None
+) -> None:
+    if not 1 <= num_blocks <= MAX_POOL_BLOCKS:
+        raise InvalidArgument(f"num_blocks must be 1 .. {MAX_POOL_BLOCKS}, got {num_blocks}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"block_size must be 1 .. {MAX_BLOCK_SIZE}, got {block_size}")
+    for name, value in (
+        ("namespace.model_id", namespace.model_id),
+        ("namespace.model_revision", namespace.model_revision),
+        ("namespace.dtype", namespace.dtype),
+        ("namespace.adapter_id", namespace.adapter_id),
+        ("worker_address", worker_address),
+    ):
+        if len(value) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"{name} is longer than {MAX_NAME_CHARS} characters")
+    if pool_id is not None and not _POOL_ID.fullmatch(pool_id):
+        raise InvalidArgument(
+            f"pool_id {shown(pool_id)} must be 1-128 characters of A-Z a-z 0-9 . _ : - "
+            f"starting with a letter or digit (or empty to get a new id)"
+        )
+
+
+def check_pool_id_given(pool_id: PoolId) -> None:
+    if not pool_id:
+        raise InvalidArgument("pool_id is empty: call RegisterPool first and pass its pool_id")
+
+
+def shown(pool_id: str) -> str:
+    """A client-sent id as it appears in messages: never long enough to drown them."""
+    return repr(pool_id) if len(pool_id) <= 64 else f"{pool_id[:32]!r}... ({len(pool_id)} characters)"
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def make_prompt(
+    token_ids: Seq[int], cache_salt: str, public_prefix_tokens: int, max_tokens: int, what: str
+) -> Prompt:
+    """Validate a client's token list; `what` names it in error messages."""
+    if not token_ids:
+        raise InvalidArgument(f"{what}: token_ids is empty; send at least one token")
+    if len(token_ids) > max_tokens:
+        raise InvalidArgument(
+            f"{what}: {len(token_ids)} tokens exceed the limit of {max_tokens} "
+            f"per sequence (blockd --max-sequence-tokens)"
+        )
+    check_salt(cache_salt, what)
+    if public_prefix_tokens < 0:
+        raise InvalidArgument(f"{what}: public_prefix_tokens must be >= 0, got {public_prefix_tokens}")
+    return Prompt(token_bytes(token_ids), cache_salt, public_prefix_tokens)
+
+
+def check_salt(cache_salt: str, what: str) -> None:
+    if len(cache_salt.encode("utf-8")) > MAX_SALT_BYTES:
+        raise InvalidArgument(f"{what}: cache_salt is longer than {MAX_SALT_BYTES} bytes")
+
+
+# ---------------------------------------------------------------- operators
+
+
+def checked_pin_ttl(ttl_seconds: float) -> float:
+    """The pin's lifetime: 0 means the default (one hour), at most 30 days."""
+    if ttl_seconds == 0:
+        return DEFAULT_PIN_TTL_SECONDS
+    if not (math.isfinite(ttl_seconds) and 0 < ttl_seconds <= MAX_PIN_TTL_SECONDS):
+        raise InvalidArgument(
+            f"ttl_seconds must be in (0, {MAX_PIN_TTL_SECONDS}] (0 means "
+            f"{DEFAULT_PIN_TTL_SECONDS:.0f}), got {ttl_seconds}"
+        )
+    return ttl_seconds
+
+
+def checked_page_size(size: int) -> int:
+    """Blocks per ListBlocks page: 0 means the default."""
+    if size == 0:
+        return DEFAULT_PAGE_SIZE
+    if not 1 <= size <= MAX_PAGE_SIZE:
+        raise InvalidArgument(f"page_size must be 1 .. {MAX_PAGE_SIZE} (or 0 for {DEFAULT_PAGE_SIZE})")
+    return size
+
+
+def encode_page_token(pool_id: PoolId, block_id: int) -> str:
+    """Where the next page starts: after this (pool id, block id)."""
+    return base64.urlsafe_b64encode(json.dumps([pool_id, block_id]).encode()).decode()
+
+
+def decode_page_token(token: str) -> tuple[str, int]:
+    try:
+        pool_id, block_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        if isinstance(pool_id, str) and isinstance(block_id, int):
+            return pool_id, block_id
+    except (ValueError, TypeError, binascii.Error):
+        pass
+    raise InvalidArgument("page_token is not one this server issued; pass the previous next_page_token")
+
+
+# ---------------------------------------------------------------- steps and resyncs
 
 
 @dataclass(frozen=True, slots=True)
