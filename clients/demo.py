@@ -3,9 +3,14 @@
 Sends a workload of chat requests that share one system prompt and ask different
 questions, one after another. The first request computes the system prompt's K/V;
 every later one finds its full blocks in the cache, so its prefill (and its time to
-first token) covers only the question. A last request after a flush shows the cold
-cost again. The stack is stopped at the end, also on errors and Ctrl-C (--keep
-leaves it running; a stack that was already running is reused and left alone).
+first token) covers only the question. A last request shows the cold cost again:
+after a flush when the demo started the stack itself, under a fresh cache salt when
+it reuses a running one. Cold and warm are what each request measured (cold: 0
+cached tokens); the hit rates count this run's requests only.
+
+The stack is stopped at the end, also on errors and Ctrl-C (--keep leaves it
+running). A stack already running from --run-dir (`make up`) is reused and left
+alone: not flushed, not stopped.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import argparse
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import median
 
 from rich import box
 from rich.console import Console, Group
@@ -28,8 +35,8 @@ from clients.client import KVCacheClient
 from clients.errors import KVCacheError
 from clients.options import ClientOptions
 from clients.render import percent, preview_text
-from clients.stack import Stack, StackError
-from clients.types import ChatMessage, Completion
+from clients.stack import Stack, StackError, kvctl_command, python_command
+from clients.types import ChatMessage, Completion, PoolStats
 
 SYSTEM_PROMPT = (
     "You are the support assistant of Northwind Cloud, a company that rents GPU servers by the hour. "
@@ -101,20 +108,64 @@ def _add_row(table: Table, label: str, question: str, completion: Completion) ->
 
 
 def summarize(results: list[tuple[str, Completion]], console: Console) -> None:
+    """This run's hit rate and TTFT, cold (0 cached tokens) against warm, as measured."""
     usages = [c.usage for _, c in results]
     prompt = sum(u.prompt_tokens for u in usages)
     cached = sum(u.cached_tokens for u in usages)
-    console.print(f"[bold]overall hit rate:[/] {cached} of {prompt} prompt tokens served from cache "
+    console.print(f"[bold]hit rate of this run:[/] {cached:,} of {prompt:,} prompt tokens served from cache "
                   f"([bold green]{percent(cached, prompt)}[/])")
-    if len(usages) > 1:
-        cold = usages[0].time_to_first_token_seconds
-        warm = sorted(u.time_to_first_token_seconds for u in usages[1:])[len(usages[1:]) // 2]
-        console.print(f"TTFT: first (cold) request {1000 * cold:.1f} ms, median of the rest "
-                      f"{1000 * warm:.1f} ms")
+    cold = [u.time_to_first_token_seconds for u in usages if u.cached_tokens == 0]
+    warm = [u.time_to_first_token_seconds for u in usages if u.cached_tokens > 0]
+    if cold and warm:
+        console.print(f"TTFT: cold (0 cached tokens) {_ms(cold)}, warm (prefix cached) {_ms(warm)}")
+    elif warm:
+        console.print(f"TTFT: every request found its prefix cached (the stack had the system prompt "
+                      f"already): {_ms(warm)}; the cold request below shows the difference")
+    elif cold:
+        console.print(f"TTFT: no request found a cached prefix: {_ms(cold)}")
+
+
+def _ms(seconds: Sequence[float]) -> str:
+    """ "12.3 ms" for one value, "median 12.3 ms of 15 requests" for several."""
+    if len(seconds) == 1:
+        return f"{1000 * seconds[0]:.1f} ms"
+    return f"median {1000 * median(seconds):.1f} ms of {len(seconds)} requests"
+
+
+def cold_request(client: KVCacheClient, started: bool, max_tokens: int) -> tuple[str, Completion]:
+    """The first question again, with nothing cached for it; returns how, and the completion.
+
+    A stack the demo started is flushed (like `kvctl flush`); a stack it reuses is
+    someone's cache and stays untouched: a fresh cache salt changes every block's
+    hash, so the same prompt misses without dropping anything.
+    """
+    messages = build_messages(QUESTIONS[0])
+    if started:
+        flushed = client.blockd.flush()
+        how = f"after a flush ({flushed.dropped:,} blocks dropped, {flushed.busy:,} busy)"
+        return how, client.complete(messages=messages, max_tokens=max_tokens)
+    salt = f"demo-{uuid.uuid4().hex}"
+    how = "under a fresh cache salt (the running stack is not flushed)"
+    return how, client.complete(messages=messages, max_tokens=max_tokens, cache_salt=salt)
+
+
+def blockd_line(before: PoolStats, after: PoolStats) -> str:
+    """blockd's own count of this run's hits: the difference of its counters before and after."""
+    queried = max(0, after.queried_tokens - before.queried_tokens)
+    hits = max(0, after.hit_tokens - before.hit_tokens)
+    return (f"blockd counted {hits:,} of {queried:,} prompt tokens admitted during this run as hits "
+            f"({percent(hits, queried)})")
+
+
+def _next_step(blockd: str, computed: Sequence[str], stays_up: bool) -> str:
+    """What to run next, spelled to work as printed (the venv's kvctl, the stack's addresses)."""
+    if stays_up:
+        return f"`{kvctl_command('--blockd', blockd, '--computed', ','.join(computed), 'tree')}`"
+    return f"`make up`, then `make demo` (it reuses a running stack) and `{kvctl_command('tree')}`"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m clients.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog=python_command("-m", "clients.demo"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, default=Path("run"))
     parser.add_argument("--blockd", default="127.0.0.1:50051")
@@ -140,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         addresses = stack.addresses()
         if "blockd" in addresses:
-            console.print(f"using the stack already running from {args.run_dir}")
+            console.print(f"using the stack already running from {args.run_dir}; its cache is left alone "
+                          f"(no flush) and it keeps running")
         else:
             with console.status("starting blockd and computed (loading the model)..."):
                 stack.up(args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model)
@@ -150,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = os.environ.get("KVCACHE_ADMIN_TOKEN") or os.environ.get("BLOCKD_ADMIN_TOKEN")
         options = ClientOptions(admin_token=token or None)
         with KVCacheClient(addresses["blockd"], computed, options=options) as client:
+            before = client.blockd.get_stats().total
             info = client.computed().model_info()
             console.print(f"model [bold]{info.model_id}[/] ({info.architecture}, {info.dtype} on {info.device}), "
                           f"block size {info.block_size}, {info.num_blocks} blocks; workers: {', '.join(computed)}")
@@ -158,15 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "the point here is the cache)", style="dim")
             results = run_workload(client, QUESTIONS[: args.requests], args.max_tokens, console)
             summarize(results, console)
-            flushed = client.blockd.flush()
-            again = client.complete(messages=build_messages(QUESTIONS[0]), max_tokens=args.max_tokens)
-            console.print(f"after `kvctl flush` ({flushed.dropped} blocks dropped, {flushed.busy} busy) "
-                          f"the first question again: cached {again.usage.cached_tokens} tokens, TTFT "
-                          f"{1000 * again.usage.time_to_first_token_seconds:.1f} ms")
-            stats = client.blockd.get_stats().total
-            console.print(f"blockd counts {stats.hit_tokens} of {stats.queried_tokens} admitted prompt tokens "
-                          f"as hits ({percent(stats.hit_tokens, stats.queried_tokens)}); try "
-                          f"`make up` then `kvctl tree`")
+            how, again = cold_request(client, started, args.max_tokens)
+            label = "cold" if again.usage.cached_tokens == 0 else "not cold"
+            console.print(f"the first question again {how}: cached {again.usage.cached_tokens} tokens "
+                          f"({label}), TTFT {1000 * again.usage.time_to_first_token_seconds:.1f} ms")
+            console.print(blockd_line(before, client.blockd.get_stats().total))
+            console.print(f"try: {_next_step(addresses['blockd'], computed, stays_up=not started or args.keep)}",
+                          markup=False)
         return 0
     except (StackError, KVCacheError) as error:
         console.print(f"error: {error}", markup=False, soft_wrap=True)

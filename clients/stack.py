@@ -1,9 +1,10 @@
 """Local runner: blockd plus one or more computed as detached processes.
 
-    python -m clients.stack up --run-dir run --blockd 127.0.0.1:50051 --computed 127.0.0.1:50052
-    python -m clients.stack status --run-dir run
-    python -m clients.stack down --run-dir run
+    .venv/bin/python -m clients.stack up --run-dir run --blockd 127.0.0.1:50051 --computed 127.0.0.1:50052
+    .venv/bin/python -m clients.stack status --run-dir run
+    .venv/bin/python -m clients.stack down --run-dir run
 
+(`make up`, `make up2`, `make down` run these.)
 Each daemon gets `<name>.log`, `<name>.pid` and `<name>.ready` (the bound address,
 written by the daemon once it serves) in the run folder. `up` starts blockd, waits
 for grpc health SERVING, then starts the computed daemons and waits for them; on a
@@ -27,13 +28,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from clients.healthcheck import health_status
+from clients.render import output_console
 
 REPO = Path(__file__).resolve().parent.parent
 _LOG_TAIL_LINES = 40
+
+
+def python_command(*args: str) -> str:
+    """`python ARGS` spelled to run as printed: this interpreter (`.venv/bin/python` after
+    `make install`), since the system Python lacks the project's packages."""
+    return shlex.join([_relative(Path(sys.executable)), *args])
+
+
+def kvctl_command(*args: str) -> str:
+    """`kvctl ARGS` spelled to run as printed: the script installed beside this interpreter
+    (`.venv/bin/kvctl`; the venv's bin folder is usually not on PATH)."""
+    script = Path(sys.executable).parent / "kvctl"
+    if script.exists():
+        return shlex.join([_relative(script), *args])
+    return python_command("-m", "clients.kvctl", *args)
+
+
+def _relative(path: Path) -> str:
+    """`path` relative to the working folder when inside it (".venv/bin/kvctl"), else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 class StackError(RuntimeError):
@@ -81,8 +105,8 @@ class Stack:
             raise StackError("need at least one --computed address")
         running = [s.name for s in self.status() if s.is_running]
         if running:
-            raise StackError(f"{', '.join(running)} already running from {self.run_dir}; "
-                             f"run `python -m clients.stack down --run-dir {self.run_dir}` first")
+            down = python_command("-m", "clients.stack", "down", "--run-dir", str(self.run_dir))
+            raise StackError(f"{', '.join(running)} already running from {self.run_dir}; run `{down}` first")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         started: list[DaemonSpec] = []
         try:
@@ -252,17 +276,18 @@ def _read_int(path: Path) -> int | None:
 
 def _status_table(states: Sequence[DaemonState]) -> Table:
     table = Table(title="kvcache stack")
-    for name in ("daemon", "pid", "state", "address", "health"):
+    for name in ("daemon", "pid", "state", "health"):
         table.add_column(name, no_wrap=True)
+    table.add_column("address", overflow="fold")
     table.add_column("log", overflow="fold")
     for s in states:
-        table.add_row(s.name, str(s.pid or "-"), "running" if s.is_running else "stopped", s.address or "-",
-                      s.health, str(s.log_path))
+        table.add_row(s.name, str(s.pid or "-"), "running" if s.is_running else "stopped", s.health,
+                      s.address or "-", str(s.log_path))
     return table
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m clients.stack", description=__doc__,
+    parser = argparse.ArgumentParser(prog=python_command("-m", "clients.stack"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start blockd and computed, wait until SERVING")
@@ -286,7 +311,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    out, err = Console(highlight=False), Console(stderr=True, highlight=False)
+    out, err = output_console(), output_console(stderr=True)
     stack = Stack(args.run_dir)
     try:
         if args.command == "up":
@@ -296,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.print(_status_table(states))
             computed = ",".join(s.address for s in states if s.name != "blockd" and s.address)
             blockd = next(s.address for s in states if s.name == "blockd")
-            out.print(f"try: kvctl --blockd {blockd} --computed {computed} generate 'Hello'", markup=False)
+            hint = kvctl_command("--blockd", blockd, "--computed", computed, "generate", "Hello")
+            out.print(f"try: {hint}", markup=False)
         elif args.command == "down":
             stopped = stack.down(args.grace)
             out.print(f"stopped: {', '.join(stopped)}" if stopped else f"nothing running in {args.run_dir}")
@@ -304,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             states = stack.status()
             if args.json:
                 print(json.dumps([{**s.__dict__, "log_path": str(s.log_path)} for s in states], indent=2))
+            elif not states:
+                up = python_command("-m", "clients.stack", "up", "--run-dir", str(args.run_dir))
+                out.print(f"nothing is running from {args.run_dir}; start the stack with `make up` "
+                          f"(or `{up}`)", markup=False)
             else:
                 out.print(_status_table(states))
             return 0 if states and all(s.is_running for s in states) else 1

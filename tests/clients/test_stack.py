@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -69,6 +70,10 @@ def test_up_status_down(tmp_path: Path) -> None:
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert len(pids) == 2 and all(is_alive(p) for p in pids)
+        hint = next(line for line in up.stdout.splitlines() if line.startswith("try: "))
+        tried = subprocess.run(shlex.split(hint.removeprefix("try: ")), cwd=REPO, capture_output=True, text=True,
+                               timeout=120, check=False)
+        assert tried.returncode == 0, f"{hint!r} runs as printed (no kvctl on PATH needed): {tried.stderr}"
         for name in ("blockd", "computed"):
             assert (run_dir / f"{name}.log").exists() and (run_dir / f"{name}.ready").exists()
         status = run_module("clients.stack", "status", "--run-dir", str(run_dir), "--json")
@@ -92,6 +97,7 @@ def test_up_status_down(tmp_path: Path) -> None:
     assert not list(run_dir.glob("*.pid"))
     status = run_module("clients.stack", "status", "--run-dir", str(run_dir))
     assert status.returncode == 1
+    assert "nothing is running" in status.stdout and "make up" in status.stdout, status.stdout
 
 
 def test_failed_start_shows_the_log_tail_and_stops_everything(tmp_path: Path) -> None:
@@ -111,10 +117,45 @@ def test_demo_runs_the_workload_and_stops_the_stack(tmp_path: Path) -> None:
                         "--computed", f"127.0.0.1:{free_port()}", "--requests", "4", "--max-tokens", "2",
                         *model_flags(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "overall hit rate" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert "hit rate of this run" in result.stdout and "Traceback" not in result.stdout + result.stderr
     assert not list(run_dir.glob("*.pid")), "the demo stops the stack it started"
     wait_all_gone(logged_pids(run_dir))
-    assert "cached 0 tokens" in result.stdout, "the request after the flush is cold"
+    assert "after a flush" in result.stdout and "cached 0 tokens (cold)" in result.stdout
+    assert "TTFT: cold (0 cached tokens)" in result.stdout, "a fresh stack: the first request is cold"
+
+
+def _blockd_queried(output: str) -> int:
+    found = re.search(r"blockd counted [\d,]+ of ([\d,]+) prompt tokens admitted during this run", output)
+    assert found, output
+    return int(found.group(1).replace(",", ""))
+
+
+def test_demo_reuses_a_running_stack_and_leaves_its_cache_alone(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    stack = Stack(run_dir)
+    model = model_args(tmp_path)
+    stack.up(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], model=str(model) if model else None)
+    try:
+        pids, addresses = sorted(pids_in(run_dir)), stack.addresses()
+        theirs = unique_prompt("someone else's cache")
+        with KVCacheClient(addresses["blockd"], [addresses["computed"]]) as client:
+            client.complete(theirs, max_tokens=2)
+        runs = [run_module("clients.demo", "--run-dir", str(run_dir), "--requests", "3", "--max-tokens", "2")
+                for _ in range(2)]
+        for run in runs:
+            assert run.returncode == 0, run.stdout + run.stderr
+            assert "already running" in run.stdout and "blocks dropped" not in run.stdout
+            assert "cached 0 tokens (cold)" in run.stdout, "the cold request needs no flush"
+        with KVCacheClient(addresses["blockd"], [addresses["computed"]]) as client:
+            assert client.complete(theirs, max_tokens=2).usage.cached_tokens > 0, "the demo flushed the stack"
+        assert sorted(pids_in(run_dir)) == pids and all(is_alive(p) for p in pids), "left running"
+        first, again = (run.stdout for run in runs)
+        assert "TTFT: cold (0 cached tokens)" in first
+        assert "(cold)" not in again.replace("cached 0 tokens (cold)", ""), "a rerun's requests are all warm"
+        assert "every request found its prefix cached" in again
+        assert _blockd_queried(first) == _blockd_queried(again), "blockd's counts are this run's, not a total"
+    finally:
+        stack.down()
 
 
 def test_demo_stops_the_stack_on_ctrl_c(tmp_path: Path) -> None:

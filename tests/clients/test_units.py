@@ -147,3 +147,17 @@ def test_parse_token_ids() -> None:
     for bad in ("1,x", "", "-1"):
         with pytest.raises(click.BadParameter):
             parse_token_ids(bad)
+
+
+def test_kvctl_help_explains_every_option_and_names_the_env_vars() -> None:
+    from click.testing import CliRunner
+
+    from clients.kvctl import cli
+
+    for command in cli.commands.values():
+        undocumented = [p.name for p in command.params if isinstance(p, click.Option) and not p.help]
+        assert not undocumented, f"kvctl {command.name}: {undocumented}"
+    shown = CliRunner().invoke(cli, ["--help"], terminal_width=200).output
+    for variable in ("KVCACHE_BLOCKD", "KVCACHE_COMPUTED", "KVCACHE_ADMIN_TOKEN", "KVCACHE_TIMEOUT",
+                     "KVCACHE_TLS_CA", "KVCACHE_TLS_SERVER_NAME"):
+        assert variable in shown
