@@ -10,7 +10,7 @@ COMPUTED_ADDR ?= 127.0.0.1:50052
 COMPUTED2_ADDR ?= 127.0.0.1:50053
 PYTEST_ARGS ?=
 
-.PHONY: install proto proto-check test test-slow lint bench bench-quick up up2 down demo clean
+.PHONY: install proto proto-check test test-slow lint bench bench-quick bench-peer up up2 down demo clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ bench: install
 
 bench-quick: install
 	$(BIN)/python -m bench --quick
+
+# vLLM's CPU build side by side (not in CI: its install is minutes and gigabytes, in .venv-vllm).
+bench-peer: install
+	PY=$(PY) bash bench/peer/install_vllm.sh .venv-vllm
+	$(BIN)/python -m bench --only peer
 
 up: install
 	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR)

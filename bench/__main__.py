@@ -45,18 +45,23 @@ BENCHMARKS: dict[str, str] = {
     "kv_memory": "bench.kv_memory",
     "gpu": "bench.gpu",
 }
+# Run only when named (`--only peer`, `make bench-peer`): its install takes minutes and gigabytes.
+ON_REQUEST: dict[str, str] = {
+    "peer": "bench.peer_vllm",
+}
+SECTIONS = {**BENCHMARKS, **ON_REQUEST}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="small sizes (CI); writes run/bench-quick/ instead of BENCHMARKS.md")
-    parser.add_argument("--only", action="append", choices=list(BENCHMARKS), metavar="NAME",
-                        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--only", action="append", choices=list(SECTIONS), metavar="NAME",
+                        help=f"run only this benchmark (repeatable): {', '.join(SECTIONS)}")
+    parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of every process that runs a model: computed and the "
-                             "transformers baseline alike (0: torch's default). 1 by default: on a shared "
-                             "machine, spinning OpenMP threads make multi-threaded timings swing tenfold")
+                             "transformers baseline alike (0, the default: torch's default, every core, as "
+                             "each library runs out of the box)")
     parser.add_argument("--out", type=Path, default=None,
                         help="report folder (default: the repository root; run/bench-quick with --quick)")
     return parser.parse_args(argv)
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             command = f"python -m bench{' --quick' if args.quick else ''} --only {name}"
-            if args.threads != 1:
+            if args.threads != 0:
                 command += f" --threads {args.threads}"
             ctx = BenchContext(args.quick, workdir, plot_dir, command, threads)
             console.rule(f"[bold]{name}")
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     store = plot_dir / "results.json"
     save_results(store, results)
     stored = load_results(store)
-    ordered = [stored[key] for key in BENCHMARKS if key in stored]
+    ordered = [stored[key] for key in SECTIONS if key in stored]
     report = out / "BENCHMARKS.md"
     report.write_text(render_markdown(ordered, str(plot_dir.relative_to(out)), _header(args.quick)))
     console.print(f"report: {report}")
@@ -103,7 +108,7 @@ def _run_one(name: str, ctx: BenchContext, machine: dict, console: Console) -> B
     started = time.perf_counter()
     title = name
     try:
-        module = importlib.import_module(BENCHMARKS[name])
+        module = importlib.import_module(SECTIONS[name])
         title = module.TITLE
         result = module.run(ctx)
     except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others

@@ -30,6 +30,11 @@ class HfGenerator:
         import torch
         import transformers
 
+        from computed.host_allocator import keep_large_buffers
+
+        # The same allocator setting computed runs with: the baseline must be the best
+        # its library does on this machine, not slower for a reason we removed on our side.
+        keep_large_buffers()
         self.torch = torch
         self.device = device
         self.model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -134,8 +134,12 @@ class AttentionBatch:
     tiles: tuple[Tile, ...] = ()
     # Runs of blocks shared by several sequences, read once per step (cascade); may be empty.
     shared_prefixes: tuple[SharedPrefix, ...] = ()
-    needs_merge: bool = False
-    merge_rows: torch.Tensor | None = None  # (P,) flat query row of every partial, tile after tile
+    # (T, depth) int64 partials of each query row, P = none (see AttentionPlan.merge_index).
+    merge_index: torch.Tensor | None = None
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.merge_index is not None
 
     @property
     def num_tokens(self) -> int:
@@ -166,9 +170,10 @@ class AttentionBatch:
         span_of_token = np.repeat(np.arange(len(spans)), lens)  # (T,)
         positions = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts - firsts, lens)
         slots = tables[span_of_token, positions // block_size] * block_size + positions % block_size
-        writes = np.concatenate([np.full(s.num_new_tokens, s.write_kv, dtype=bool)
-                                 if isinstance(s.write_kv, bool) else np.asarray(s.write_kv, dtype=bool)
-                                 for s in spans])
+        writes = np.ones(len(positions), dtype=bool)
+        for i, span in enumerate(spans):
+            if span.write_kv is not True:
+                writes[starts[i]:starts[i] + lens[i]] = span.write_kv
         write_index = np.flatnonzero(writes)
         write_slots = slots[write_index]
         if len(np.unique(write_slots)) != len(write_slots):
@@ -188,8 +193,7 @@ class AttentionBatch:
             max_position=int(contexts.max()) - 1,
             tiles=tiles,
             shared_prefixes=plan.segments,
-            needs_merge=plan.needs_merge,
-            merge_rows=torch.cat([t.valid_rows for t in tiles]) if plan.needs_merge else None,
+            merge_index=None if plan.merge_index is None else torch.from_numpy(plan.merge_index).to(device),
         )
 
 
@@ -214,12 +218,12 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
         o, lse = _attend_tile(q, keys, values, tile, num_kv_heads, scale)  # (I*Qm, H, D), (I*Qm, H)
         outs.append(o.index_select(0, tile.valid))
         lses.append(lse.index_select(0, tile.valid) if batch.needs_merge else None)
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     if not batch.needs_merge:  # one partial per query row: place them
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         for tile, o in zip(batch.tiles, outs):
             out.index_copy_(0, tile.valid_rows, o)
         return out.to(q.dtype)
-    return _merge(torch.cat(outs), torch.cat(lses), batch.merge_rows, out).to(q.dtype)
+    return _merge(outs, lses, batch.merge_index).to(q.dtype)
 
 
 def _attend_tile(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: Tile, num_kv_heads: int,
@@ -269,16 +273,18 @@ def _attend_tile_matmul(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, ti
     return o, lse.permute(0, 3, 1, 2).reshape(items * width_q, num_heads)
 
 
-def _merge(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Combine partials (P, H, D) with log-sum-exp (P, H) into their rows of `out` (T, H, D):
-    out[r] = sum_p exp(lse_p - m_r) o_p / sum_p exp(lse_p - m_r), m_r = max_p lse_p."""
-    num_tokens, num_heads = out.shape[0], out.shape[1]
-    top = torch.full((num_tokens, num_heads), float("-inf"), device=o.device)
-    top.scatter_reduce_(0, rows[:, None].expand(-1, num_heads), lse, reduce="amax")
-    weight = (lse - top.index_select(0, rows)).exp()  # (P, H)
-    total = torch.zeros(num_tokens, num_heads, device=o.device).index_add_(0, rows, weight)
-    out.zero_().index_add_(0, rows, o * weight[..., None])
-    return out / total[..., None]
+def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """out[r] = sum_p exp(lse_p - m_r) o_p / sum_p exp(lse_p - m_r), m_r = max_p lse_p, over
+    the partials p of row r. Dense gathers, no scatter: `index` (T, depth) names each row's
+    partials, the sentinel P (zeros, lse -inf) weighing nothing."""
+    o = torch.cat([*outs, outs[0].new_zeros(1, *outs[0].shape[1:])])  # (P + 1, H, D)
+    lse = torch.cat([*lses, lses[0].new_full((1, lses[0].shape[1]), float("-inf"))])  # (P + 1, H)
+    num_tokens, depth = index.shape
+    flat = index.reshape(-1)
+    lse_r = lse.index_select(0, flat).view(num_tokens, depth, -1)  # (T, depth, H)
+    weight = (lse_r - lse_r.amax(dim=1, keepdim=True)).exp_()  # (T, depth, H); every row has one real
+    o_r = o.index_select(0, flat).view(num_tokens, depth, *o.shape[1:])  # (T, depth, H, D)
+    return (o_r * weight[..., None]).sum(dim=1) / weight.sum(dim=1)[..., None]
 
 
 def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

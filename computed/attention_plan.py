@@ -16,8 +16,9 @@ their log-sum-exp, so splitting a context changes nothing but float rounding.
   and every maximal run of blocks with the same set of members is one segment.
 - *Private context*: the rest of a sequence's cached context, after its deepest segment.
 - *New tokens*: a sequence's new positions attend causally to each other (a square,
-  top-left-aligned causal item: no mask). A single new token instead joins its private
-  context item (it sees everything, itself included).
+  top-left-aligned causal item: no mask). A single new token (a decode row) instead joins
+  its private context item (it sees everything, itself included); those items are built
+  for all decode rows at once.
 
 **Visibility.** A segment or private-context item holds only keys strictly before every
 one of its queries (whole blocks before `num_computed_tokens`), so only padding is masked.
@@ -77,8 +78,14 @@ class Segment:
 class AttentionPlan:
     tiles: tuple[TilePlan, ...]
     segments: tuple[Segment, ...]
-    # True when some query row has more than one partial (a log-sum-exp merge is needed).
-    needs_merge: bool
+    # (T, depth) int64 when some query row has more than one partial: row r's partials
+    # are entries merge_index[r] of the tiles' real results concatenated in tile order,
+    # P (one past the last) marking "no partial" (a sentinel with log-sum-exp -inf).
+    merge_index: np.ndarray | None
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.merge_index is not None
 
 
 def find_segments(tables: np.ndarray, shareable: np.ndarray) -> list[Segment]:
@@ -140,23 +147,60 @@ def plan_attention(query_starts: Sequence[int], query_lens: Sequence[int], conte
     items: list[_Item] = []
     for seg in segments:
         members = np.asarray(seg.span_indices)
-        rows = np.concatenate([np.arange(starts[m], starts[m] + lens[m]) for m in members])
+        rows = _rows(starts[members], lens[members])
         slots = (np.asarray(seg.block_ids, dtype=np.int64)[:, None] * block_size + offsets).ravel()
         items.append(_Item(rows, slots, causal=False))
         covered[members] = np.maximum(covered[members], seg.first_block + seg.num_blocks)
-    for i in range(len(starts)):
+    decode = lens == 1
+    for i in np.flatnonzero(~decode):  # several new tokens: the cached part whole, the new ones causally
         rows = np.arange(starts[i], starts[i] + lens[i])
         begin = int(covered[i]) * block_size
-        # One new token sees its whole context; several see the cached part whole and
-        # each other causally.
-        private_end = int(contexts[i]) if lens[i] == 1 else int(firsts[i])
-        if private_end > begin:
-            items.append(_Item(rows, _slots(tables[i], begin, private_end, block_size), causal=False))
-        if lens[i] > 1:
-            items.append(_Item(rows, _slots(tables[i], int(firsts[i]), int(contexts[i]), block_size),
-                               causal=True))
-    num_partials = sum(len(item.rows) for item in items)
-    return AttentionPlan(_tile(items), tuple(segments), needs_merge=num_partials != int(lens.sum()))
+        if firsts[i] > begin:
+            items.append(_Item(rows, _slots(tables[i], begin, int(firsts[i]), block_size), causal=False))
+        items.append(_Item(rows, _slots(tables[i], int(firsts[i]), int(contexts[i]), block_size), causal=True))
+    tiles = _tile(items) + _decode_tiles(np.flatnonzero(decode), starts, contexts, covered, tables, block_size)
+    return AttentionPlan(tiles, tuple(segments), _merge_index(tiles, int(lens.sum())))
+
+
+def _merge_index(tiles: tuple[TilePlan, ...], num_rows: int) -> np.ndarray | None:
+    rows = np.concatenate([t.valid_rows for t in tiles])
+    if len(rows) == num_rows:
+        return None  # one partial per row
+    order = np.argsort(rows, kind="stable")
+    counts = np.bincount(rows, minlength=num_rows)
+    rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # k-th partial of its row
+    index = np.full((num_rows, int(counts.max())), len(rows), dtype=np.int64)
+    index[rows[order], rank] = order
+    return index
+
+
+def _decode_tiles(spans: np.ndarray, starts: np.ndarray, contexts: np.ndarray, covered: np.ndarray,
+                  tables: np.ndarray, block_size: int) -> tuple[TilePlan, ...]:
+    """One new token per span sees its whole private context, itself included: one item
+    per span, built for all of them at once (the common decode step)."""
+    if len(spans) == 0:
+        return ()
+    begins = covered[spans] * block_size
+    key_lens = contexts[spans] - begins
+    buckets = np.array([_ceil_pow2(int(n)) for n in key_lens])
+    tiles = []
+    for bucket in np.unique(buckets):
+        chosen = np.flatnonzero(buckets == bucket)
+        members, lens = spans[chosen], key_lens[chosen]
+        width = int(lens.max())
+        # Padding repeats the last real key (never seen: masked by key_lens).
+        positions = begins[chosen, None] + np.minimum(np.arange(width)[None, :], lens[:, None] - 1)  # (I, Lm)
+        blocks = np.take_along_axis(tables[members], positions // block_size, axis=1)
+        rows = starts[members]
+        tiles.append(TilePlan(query_rows=rows[:, None], key_slots=blocks * block_size + positions % block_size,
+                              key_lens=lens, causal=False, valid=np.arange(len(members), dtype=np.int64),
+                              valid_rows=rows))
+    return tuple(tiles)
+
+
+def _rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The flat rows start_i .. start_i + len_i - 1 of every span, concatenated."""
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
 
 
 def _slots(table: np.ndarray, begin: int, end: int, block_size: int) -> np.ndarray:

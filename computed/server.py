@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec
 from computed.engine import Engine
+from computed.host_allocator import keep_large_buffers
 from computed.kv_pool import KVPool
 from computed.logs import configure_logging
 from computed.metrics import Histograms, serve_metrics
@@ -66,6 +67,8 @@ class ComputedServer:
 def build_server(config: ComputedConfig) -> ComputedServer:
     device = _pick_device(config.device)
     dtype = _pick_dtype(config.dtype, device)
+    if device.type == "cpu":
+        log.info("host_allocator", keeps_large_buffers=keep_large_buffers())
     loaded = load_model(config.model, device, dtype)
     tokenizer = Tokenizer(config.model)
     mc = loaded.config

