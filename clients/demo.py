@@ -70,12 +70,18 @@ def build_messages(question: str) -> list[ChatMessage]:
     return [ChatMessage("system", SYSTEM_PROMPT), ChatMessage("user", question)]
 
 
-def run_workload(client: KVCacheClient, questions: Sequence[str], max_tokens: int,
-                 console: Console) -> list[tuple[str, Completion]]:
+def run_workload(
+    client: KVCacheClient, questions: Sequence[str], max_tokens: int, console: Console
+) -> list[tuple[str, Completion]]:
     """Sends the questions one by one, showing a live table and a progress bar."""
     table = _results_table()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
     task = progress.add_task("requests", total=len(questions))
     results = []
     with Live(Group(table, progress), console=console, refresh_per_second=8):
@@ -102,9 +108,15 @@ def _results_table() -> Table:
 def _add_row(table: Table, label: str, question: str, completion: Completion) -> None:
     u = completion.usage
     style = "green" if u.cached_tokens else "yellow"
-    table.add_row(label, Text(question), str(u.prompt_tokens), Text(str(u.cached_tokens), style=style),
-                  percent(u.cached_tokens, u.prompt_tokens), f"{1000 * u.time_to_first_token_seconds:.1f}",
-                  Text(preview_text(completion.text, 36)))
+    table.add_row(
+        label,
+        Text(question),
+        str(u.prompt_tokens),
+        Text(str(u.cached_tokens), style=style),
+        percent(u.cached_tokens, u.prompt_tokens),
+        f"{1000 * u.time_to_first_token_seconds:.1f}",
+        Text(preview_text(completion.text, 36)),
+    )
 
 
 def summarize(results: list[tuple[str, Completion]], console: Console) -> None:
@@ -112,15 +124,19 @@ def summarize(results: list[tuple[str, Completion]], console: Console) -> None:
     usages = [c.usage for _, c in results]
     prompt = sum(u.prompt_tokens for u in usages)
     cached = sum(u.cached_tokens for u in usages)
-    console.print(f"[bold]hit rate of this run:[/] {cached:,} of {prompt:,} prompt tokens served from cache "
-                  f"([bold green]{percent(cached, prompt)}[/])")
+    console.print(
+        f"[bold]hit rate of this run:[/] {cached:,} of {prompt:,} prompt tokens served from cache "
+        f"([bold green]{percent(cached, prompt)}[/])"
+    )
     cold = [u.time_to_first_token_seconds for u in usages if u.cached_tokens == 0]
     warm = [u.time_to_first_token_seconds for u in usages if u.cached_tokens > 0]
     if cold and warm:
         console.print(f"TTFT: cold (0 cached tokens) {_ms(cold)}, warm (prefix cached) {_ms(warm)}")
     elif warm:
-        console.print(f"TTFT: every request found its prefix cached (the stack had the system prompt "
-                      f"already): {_ms(warm)}; the cold request below shows the difference")
+        console.print(
+            f"TTFT: every request found its prefix cached (the stack had the system prompt "
+            f"already): {_ms(warm)}; the cold request below shows the difference"
+        )
     elif cold:
         console.print(f"TTFT: no request found a cached prefix: {_ms(cold)}")
 
@@ -153,8 +169,10 @@ def blockd_line(before: PoolStats, after: PoolStats) -> str:
     """blockd's own count of this run's hits: the difference of its counters before and after."""
     queried = max(0, after.queried_tokens - before.queried_tokens)
     hits = max(0, after.hit_tokens - before.hit_tokens)
-    return (f"blockd counted {hits:,} of {queried:,} prompt tokens admitted during this run as hits "
-            f"({percent(hits, queried)})")
+    return (
+        f"blockd counted {hits:,} of {queried:,} prompt tokens admitted during this run as hits "
+        f"({percent(hits, queried)})"
+    )
 
 
 def _next_step(blockd: str, computed: Sequence[str], stays_up: bool) -> str:
@@ -165,14 +183,22 @@ def _next_step(blockd: str, computed: Sequence[str], stays_up: bool) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=python_command("-m", "clients.demo"), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=python_command("-m", "clients.demo"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--run-dir", type=Path, default=Path("run"))
     parser.add_argument("--blockd", default="127.0.0.1:50051")
     parser.add_argument("--computed", action="append", default=None, help="repeat for several workers")
     parser.add_argument("--model", help="model directory (default: computed's built-in model)")
-    parser.add_argument("--requests", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1),
-                        metavar=f"1..{len(QUESTIONS)}")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=len(QUESTIONS),
+        choices=range(1, len(QUESTIONS) + 1),
+        metavar=f"1..{len(QUESTIONS)}",
+    )
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
     return parser
@@ -191,8 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         addresses = stack.addresses()
         if "blockd" in addresses:
-            console.print(f"using the stack already running from {args.run_dir}; its cache is left alone "
-                          f"(no flush) and it keeps running")
+            console.print(
+                f"using the stack already running from {args.run_dir}; its cache is left alone "
+                f"(no flush) and it keeps running"
+            )
         else:
             with console.status("starting blockd and computed (loading the model)..."):
                 stack.up(args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model)
@@ -204,20 +232,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         with KVCacheClient(addresses["blockd"], computed, options=options) as client:
             before = client.blockd.get_stats().total
             info = client.computed().model_info()
-            console.print(f"model [bold]{info.model_id}[/] ({info.architecture}, {info.dtype} on {info.device}), "
-                          f"block size {info.block_size}, {info.num_blocks} blocks; workers: {', '.join(computed)}")
+            console.print(
+                f"model [bold]{info.model_id}[/] ({info.architecture}, {info.dtype} on {info.device}), "
+                f"block size {info.block_size}, {info.num_blocks} blocks; workers: {', '.join(computed)}"
+            )
             if info.model_id == "default_model":
-                console.print("(the built-in model is tiny and writes Python-like text: its answers are noise; "
-                              "the point here is the cache)", style="dim")
+                console.print(
+                    "(the built-in model is tiny and writes Python-like text: its answers are noise; "
+                    "the point here is the cache)",
+                    style="dim",
+                )
             results = run_workload(client, QUESTIONS[: args.requests], args.max_tokens, console)
             summarize(results, console)
             how, again = cold_request(client, started, args.max_tokens)
             label = "cold" if again.usage.cached_tokens == 0 else "not cold"
-            console.print(f"the first question again {how}: cached {again.usage.cached_tokens} tokens "
-                          f"({label}), TTFT {1000 * again.usage.time_to_first_token_seconds:.1f} ms")
+            console.print(
+                f"the first question again {how}: cached {again.usage.cached_tokens} tokens "
+                f"({label}), TTFT {1000 * again.usage.time_to_first_token_seconds:.1f} ms"
+            )
             console.print(blockd_line(before, client.blockd.get_stats().total))
-            console.print(f"try: {_next_step(addresses['blockd'], computed, stays_up=not started or args.keep)}",
-                          markup=False)
+            console.print(
+                f"try: {_next_step(addresses['blockd'], computed, stays_up=not started or args.keep)}",
+                markup=False,
+            )
         return 0
     except (StackError, KVCacheError) as error:
         console.print(f"error: {error}", markup=False, soft_wrap=True)

@@ -25,9 +25,16 @@ SERVICE_OF = {"kvcache.v1.DirectoryAdminService": "blockd", "kvcache.v1.Generati
 _GRPC_TARGETS = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")
 _URL_SCHEMES = ("http://", "https://", "grpc://", "grpcs://")
 RPC_COMMANDS = {
-    "GetStats": "kvctl stats", "ListPools": "kvctl pools", "ListBlocks": "kvctl blocks",
-    "Lookup": "kvctl lookup", "Flush": "kvctl flush", "Pin": "kvctl pin", "Unpin": "kvctl unpin",
-    "WatchEvents": "kvctl watch", "Route": "kvctl route", "Generate": "kvctl generate",
+    "GetStats": "kvctl stats",
+    "ListPools": "kvctl pools",
+    "ListBlocks": "kvctl blocks",
+    "Lookup": "kvctl lookup",
+    "Flush": "kvctl flush",
+    "Pin": "kvctl pin",
+    "Unpin": "kvctl unpin",
+    "WatchEvents": "kvctl watch",
+    "Route": "kvctl route",
+    "Generate": "kvctl generate",
     "GetModelInfo": "kvctl info",
 }
 _RPC_NAME = re.compile(r"\b(" + "|".join(RPC_COMMANDS) + r")\b")
@@ -46,17 +53,20 @@ def check_address(address: str, service: str) -> str:
         raise ValueError(f"the {service} address is empty; e.g. 127.0.0.1:{port}")
     scheme = next((s for s in _URL_SCHEMES if value.lower().startswith(s)), None)
     if scheme is not None:
-        rest = value[len(scheme):].rstrip("/")
+        rest = value[len(scheme) :].rstrip("/")
         suggestion = rest if _split_port(rest)[1] else f"{rest}:{port}"
         tls = " and --tls-ca for TLS" if scheme in ("https://", "grpcs://") else ""
-        raise ValueError(f"{address!r} is a URL; give {service}'s address as HOST:PORT without "
-                         f"{scheme}, e.g. {suggestion}{tls}")
+        raise ValueError(
+            f"{address!r} is a URL; give {service}'s address as HOST:PORT without "
+            f"{scheme}, e.g. {suggestion}{tls}"
+        )
     if value.lower().startswith(_GRPC_TARGETS):
         return value
     host, port_text = _split_port(value)
     if not port_text:
-        raise ValueError(f"{address!r} has no port; e.g. {host or '127.0.0.1'}:{port} "
-                         f"({service}'s default port is {port})")
+        raise ValueError(
+            f"{address!r} has no port; e.g. {host or '127.0.0.1'}:{port} ({service}'s default port is {port})"
+        )
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"the port of {address!r} is not a number from 1 to 65535")
     return value
@@ -75,13 +85,15 @@ def explain_unimplemented(error: KVCacheError, tls: TlsOptions | None) -> str | 
     if not served or error.service in served:
         return None
     other = served[0]
-    return (f"{error.address} serves {other}, not {error.service}: give it as --{other} "
-            f"(are --blockd and --computed swapped? blockd's default port is {DEFAULT_PORTS['blockd']}, "
-            f"computed's {DEFAULT_PORTS['computed']})")
+    return (
+        f"{error.address} serves {other}, not {error.service}: give it as --{other} "
+        f"(are --blockd and --computed swapped? blockd's default port is {DEFAULT_PORTS['blockd']}, "
+        f"computed's {DEFAULT_PORTS['computed']})"
+    )
 
 
 def served_daemons(address: str, tls: TlsOptions | None, timeout: float = 2.0) -> list[str]:
-    """"blockd" and/or "computed", as the server at `address` lists its services; [] if it cannot say."""
+    """ "blockd" and/or "computed", as the server at `address` lists its services; [] if it cannot say."""
     channel = open_channel(address, tls)
     try:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)

@@ -46,7 +46,9 @@ class KVCacheError(Exception):
             return f"{where} did not answer before the deadline (DEADLINE_EXCEEDED)"
         if self.code is grpc.StatusCode.UNIMPLEMENTED:  # most often: the other daemon's address
             other = "computed" if self.service == "blockd" else "blockd"
-            return (f"{where} does not serve this {self.service} call (UNIMPLEMENTED): "
-                    f"is {self.address} {other}'s address?")
+            return (
+                f"{where} does not serve this {self.service} call (UNIMPLEMENTED): "
+                f"is {self.address} {other}'s address?"
+            )
         detail = self.details or "no details"
         return f"{where}: {detail} ({self.code.name})"

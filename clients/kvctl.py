@@ -67,8 +67,14 @@ class Session:
         click.echo(json.dumps(value, indent=2, sort_keys=False))
 
     def progress(self) -> Progress:
-        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        console=self.err, transient=True, disable=not self.err.is_terminal)
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=self.err,
+            transient=True,
+            disable=not self.err.is_terminal,
+        )
 
 
 class KvctlGroup(click.Group):
@@ -124,39 +130,92 @@ def parse_token_ids(value: str) -> list[int]:
     return token_ids
 
 
-_EPILOG = ("Each global option with an [env var: KVCACHE_...] can also be set by that environment "
-           "variable; the option wins. Exit codes: 0 ok, 1 refused, 2 bad command line, 3 unreachable or "
-           "deadline, 4 admin token missing or wrong, 130 interrupted.")
+_EPILOG = (
+    "Each global option with an [env var: KVCACHE_...] can also be set by that environment "
+    "variable; the option wins. Exit codes: 0 ok, 1 refused, 2 bad command line, 3 unreachable or "
+    "deadline, 4 admin token missing or wrong, 130 interrupted."
+)
 
 
-@click.group(cls=KvctlGroup, epilog=_EPILOG,
-             context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--blockd", envvar="KVCACHE_BLOCKD", show_envvar=True, default=DEFAULT_BLOCKD, show_default=True,
-              callback=_checked("blockd"), help="blockd address, HOST:PORT.")
-@click.option("--computed", envvar="KVCACHE_COMPUTED", show_envvar=True, multiple=True,
-              callback=_checked("computed"),
-              help=f"computed address, HOST:PORT; repeat or comma-separate for several. "
-                   f"[default: {DEFAULT_COMPUTED}]")
-@click.option("--admin-token", envvar="KVCACHE_ADMIN_TOKEN", show_envvar=True, default=None,
-              help="blockd admin token.")
-@click.option("--timeout", envvar="KVCACHE_TIMEOUT", show_envvar=True, type=click.FloatRange(min=0.001),
-              default=None, help="Deadline of each call in seconds, retries included [default: 30; "
-                                 "generate: 600 for the whole stream].")
-@click.option("--routing", type=click.Choice(ROUTING_MODES), default="cache-aware", show_default=True,
-              help="How to pick among several computed addresses.")
-@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="KVCACHE_TLS_CA",
-              show_envvar=True, help="Use TLS, trusting this CA certificate (PEM).")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              envvar="KVCACHE_TLS_CERT", show_envvar=True, help="Client certificate for mutual TLS (PEM).")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              envvar="KVCACHE_TLS_KEY", show_envvar=True, help="Client key for mutual TLS (PEM).")
-@click.option("--tls-server-name", envvar="KVCACHE_TLS_SERVER_NAME", show_envvar=True,
-              help="Name to check the server certificate against.")
+@click.group(cls=KvctlGroup, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--blockd",
+    envvar="KVCACHE_BLOCKD",
+    show_envvar=True,
+    default=DEFAULT_BLOCKD,
+    show_default=True,
+    callback=_checked("blockd"),
+    help="blockd address, HOST:PORT.",
+)
+@click.option(
+    "--computed",
+    envvar="KVCACHE_COMPUTED",
+    show_envvar=True,
+    multiple=True,
+    callback=_checked("computed"),
+    help=f"computed address, HOST:PORT; repeat or comma-separate for several. [default: {DEFAULT_COMPUTED}]",
+)
+@click.option(
+    "--admin-token", envvar="KVCACHE_ADMIN_TOKEN", show_envvar=True, default=None, help="blockd admin token."
+)
+@click.option(
+    "--timeout",
+    envvar="KVCACHE_TIMEOUT",
+    show_envvar=True,
+    type=click.FloatRange(min=0.001),
+    default=None,
+    help="Deadline of each call in seconds, retries included [default: 30; "
+    "generate: 600 for the whole stream].",
+)
+@click.option(
+    "--routing",
+    type=click.Choice(ROUTING_MODES),
+    default="cache-aware",
+    show_default=True,
+    help="How to pick among several computed addresses.",
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="KVCACHE_TLS_CA",
+    show_envvar=True,
+    help="Use TLS, trusting this CA certificate (PEM).",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="KVCACHE_TLS_CERT",
+    show_envvar=True,
+    help="Client certificate for mutual TLS (PEM).",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="KVCACHE_TLS_KEY",
+    show_envvar=True,
+    help="Client key for mutual TLS (PEM).",
+)
+@click.option(
+    "--tls-server-name",
+    envvar="KVCACHE_TLS_SERVER_NAME",
+    show_envvar=True,
+    help="Name to check the server certificate against.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
-def cli(ctx: click.Context, blockd: str, computed: tuple[str, ...], admin_token: str | None, timeout: float | None,
-        routing: str, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
-        tls_server_name: str | None, as_json: bool) -> None:
+def cli(
+    ctx: click.Context,
+    blockd: str,
+    computed: tuple[str, ...],
+    admin_token: str | None,
+    timeout: float | None,
+    routing: str,
+    tls_ca: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_server_name: str | None,
+    as_json: bool,
+) -> None:
     """Inspect, flush and use the prefix-caching KV block service."""
     tls = None
     if tls_ca or tls_cert or tls_key or tls_server_name:
@@ -189,26 +248,39 @@ def command(*args: Any, **kwargs: Any) -> Callable:
 
 
 def _prompt_options(f: Callable) -> Callable:
-    for option in reversed([
-        click.argument("text", required=False),
-        click.option("--tokens", "token_text", help="Token ids instead of text, e.g. 1,2,3."),
-        click.option("--system", help="System message: TEXT becomes the user message of a chat."),
-        click.option("--chat", is_flag=True, help="Render TEXT as a user chat message."),
-        click.option("--salt", default="", help="Cache salt (tenant isolation)."),
-        click.option("--public-prefix-tokens", type=click.IntRange(min=0), default=0,
-                     help="Leading tokens shared by every salt."),
-    ]):
+    for option in reversed(
+        [
+            click.argument("text", required=False),
+            click.option("--tokens", "token_text", help="Token ids instead of text, e.g. 1,2,3."),
+            click.option("--system", help="System message: TEXT becomes the user message of a chat."),
+            click.option("--chat", is_flag=True, help="Render TEXT as a user chat message."),
+            click.option("--salt", default="", help="Cache salt (tenant isolation)."),
+            click.option(
+                "--public-prefix-tokens",
+                type=click.IntRange(min=0),
+                default=0,
+                help="Leading tokens shared by every salt.",
+            ),
+        ]
+    ):
         f = option(f)
     return f
 
 
-def _prompt(text: str | None, token_text: str | None, system: str | None, chat: bool, salt: str,
-            public_prefix_tokens: int) -> Prompt:
+def _prompt(
+    text: str | None,
+    token_text: str | None,
+    system: str | None,
+    chat: bool,
+    salt: str,
+    public_prefix_tokens: int,
+) -> Prompt:
     if (text is None) == (token_text is None):
         raise click.UsageError("give TEXT or --tokens (one of them)")
     if token_text is not None:
-        return Prompt.of(token_ids=parse_token_ids(token_text), cache_salt=salt,
-                         public_prefix_tokens=public_prefix_tokens)
+        return Prompt.of(
+            token_ids=parse_token_ids(token_text), cache_salt=salt, public_prefix_tokens=public_prefix_tokens
+        )
     if text == "-":
         text = sys.stdin.read()
     if system is not None or chat:
@@ -222,29 +294,74 @@ def _prompt(text: str | None, token_text: str | None, system: str | None, chat: 
 
 @command("generate")
 @_prompt_options
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Most tokens to generate (prompt + completion must fit the model's context).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Sampling temperature; 0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
-              help="Nucleus sampling: sample from the smallest set of tokens whose probabilities add up "
-                   "to P (0 < P <= 1) [default: 1, off].")
-@click.option("--top-k", type=click.IntRange(min=0), default=None,
-              help="Sample from the K most likely tokens only [default: 0, off].")
-@click.option("--seed", type=click.IntRange(min=0), default=None,
-              help="Random seed: the same seed, prompt and parameters give the same sample "
-                   "[default: none, a fresh one per request].")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Most tokens to generate (prompt + completion must fit the model's context).",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Sampling temperature; 0 is greedy.",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="Nucleus sampling: sample from the smallest set of tokens whose probabilities add up "
+    "to P (0 < P <= 1) [default: 1, off].",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sample from the K most likely tokens only [default: 0, off].",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Random seed: the same seed, prompt and parameters give the same sample "
+    "[default: none, a fresh one per request].",
+)
 @click.option("--stop", multiple=True, help="Stop when this string is generated (repeatable).")
-@click.option("--ignore-eos", is_flag=True,
-              help="Keep generating past the model's end-of-sequence token, up to --max-tokens.")
-def generate(session: Session, as_json: bool, text: str | None, token_text: str | None, system: str | None,
-             chat: bool, salt: str, public_prefix_tokens: int, max_tokens: int, temperature: float,
-             top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
-             ignore_eos: bool) -> None:
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    help="Keep generating past the model's end-of-sequence token, up to --max-tokens.",
+)
+def generate(
+    session: Session,
+    as_json: bool,
+    text: str | None,
+    token_text: str | None,
+    system: str | None,
+    chat: bool,
+    salt: str,
+    public_prefix_tokens: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+) -> None:
     """Generate from TEXT ("-" reads stdin), streaming the text; cached tokens and TTFT at the end."""
     prompt = _prompt(text, token_text, system, chat, salt, public_prefix_tokens)
-    params = SamplingParams.of(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop=stop, ignore_eos=ignore_eos)
+    params = SamplingParams.of(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+    )
     stream = session.client.generate_prompt(prompt, params)
     chunks = []
     try:
@@ -267,8 +384,9 @@ def generate(session: Session, as_json: bool, text: str | None, token_text: str 
     session.err.print(render.usage_line(completion), soft_wrap=True)
 
 
-def _report_partial(session: Session, as_json: bool, stream: GenerateStream, chunks: list[GenerateChunk],
-                    error: KVCacheError) -> None:
+def _report_partial(
+    session: Session, as_json: bool, stream: GenerateStream, chunks: list[GenerateChunk], error: KVCacheError
+) -> None:
     """The stream broke after text arrived: show what came, finish "timeout" (or "error"), exit 3/1.
 
     The usage the server sends with its last message never came, so the counts it
@@ -277,20 +395,37 @@ def _report_partial(session: Session, as_json: bool, stream: GenerateStream, chu
     finish = "timeout" if error.code is grpc.StatusCode.DEADLINE_EXCEEDED else "error"
     token_ids = [t for c in chunks for t in c.token_ids]
     if as_json:
-        usage = {"prompt_tokens": None, "cached_tokens": None, "completion_tokens": len(token_ids),
-                 "time_to_first_token_seconds": None, "total_time_seconds": None, "num_preemptions": None}
-        session.emit_json({"request_id": chunks[0].request_id, "text": "".join(c.text for c in chunks),
-                           "token_ids": token_ids, "finish_reason": finish, "usage": usage,
-                           "worker_address": stream.worker_address, "error": str(error)})
+        usage = {
+            "prompt_tokens": None,
+            "cached_tokens": None,
+            "completion_tokens": len(token_ids),
+            "time_to_first_token_seconds": None,
+            "total_time_seconds": None,
+            "num_preemptions": None,
+        }
+        session.emit_json(
+            {
+                "request_id": chunks[0].request_id,
+                "text": "".join(c.text for c in chunks),
+                "token_ids": token_ids,
+                "finish_reason": finish,
+                "usage": usage,
+                "worker_address": stream.worker_address,
+                "error": str(error),
+            }
+        )
     else:
         click.echo()
     if finish == "timeout":
         what = f"the deadline of {session.settings.options.generate_timeout:g} s (--timeout) expired"
     else:
         what = f"the stream broke ({error.details or 'no details'})"
-    click.echo(f"error: {error.service} at {error.address}: {what} after "
-               f"{render.plural(len(token_ids), 'completion token')} ({error.code.name}); the text "
-               f"{'in the JSON' if as_json else 'above'} is partial (finish_reason {finish})", err=True)
+    click.echo(
+        f"error: {error.service} at {error.address}: {what} after "
+        f"{render.plural(len(token_ids), 'completion token')} ({error.code.name}); the text "
+        f"{'in the JSON' if as_json else 'above'} is partial (finish_reason {finish})",
+        err=True,
+    )
     click.get_current_context().exit(EXIT_UNREACHABLE if error.is_unreachable else EXIT_REFUSED)
 
 
@@ -300,8 +435,9 @@ def route(session: Session, as_json: bool, **prompt_args: Any) -> None:
     """Which computed holds the longest cached prefix of TEXT (blockd's RoutingService)."""
     prompt = _prompt(**prompt_args)
     token_ids = session.client.tokenize_prompt(prompt)
-    answer = session.client.blockd.route(token_ids, cache_salt=prompt.cache_salt,
-                                         public_prefix_tokens=prompt.public_prefix_tokens)
+    answer = session.client.blockd.route(
+        token_ids, cache_salt=prompt.cache_salt, public_prefix_tokens=prompt.public_prefix_tokens
+    )
     if as_json:
         session.emit_json({"num_tokens": len(token_ids), **to_dict(answer)})
         return
@@ -332,9 +468,14 @@ def stats(session: Session, as_json: bool, pool: str | None) -> None:
     """Block and prefix-cache counters (totals and per pool)."""
     result = session.client.blockd.get_stats(pool)
     if as_json:
-        session.emit_json({**to_dict(result.total), "hit_rate": result.total.hit_rate,
-                           "last_event_sequence": result.last_event_sequence,
-                           "pools": [to_dict(p) for p in result.pools]})
+        session.emit_json(
+            {
+                **to_dict(result.total),
+                "hit_rate": result.total.hit_rate,
+                "last_event_sequence": result.last_event_sequence,
+                "pools": [to_dict(p) for p in result.pools],
+            }
+        )
         return
     session.out.print(render.stats_table(result))
 
@@ -363,8 +504,13 @@ def _fetch_blocks(session: Session, pool: str | None) -> list[BlockInfo]:
 
 @command("blocks")
 @click.option("--pool", help="One pool instead of all.")
-@click.option("--limit", type=click.IntRange(min=0), default=200, show_default=True,
-              help="Rows in the table (0: all); --json always lists all.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=200,
+    show_default=True,
+    help="Rows in the table (0: all); --json always lists all.",
+)
 def blocks(session: Session, as_json: bool, pool: str | None, limit: int) -> None:
     """Cached blocks with hashes, parents, references and tokens."""
     result = _fetch_blocks(session, pool)
@@ -384,8 +530,9 @@ def tree(session: Session, as_json: bool, pool: str | None, show_ids: bool) -> N
     if not show_ids:
         _decode_runs(session, forest)
     if as_json:
-        session.emit_json({"pools": [{"pool_id": p, "roots": [n.to_dict() for n in roots]}
-                                     for p, roots in forest.items()]})
+        session.emit_json(
+            {"pools": [{"pool_id": p, "roots": [n.to_dict() for n in roots]} for p, roots in forest.items()]}
+        )
         return
     sizes = {p.pool_id: p.block_size for p in session.client.blockd.list_pools()}
     session.out.print(render.prefix_tree(forest, sizes))
@@ -413,8 +560,12 @@ def lookup(session: Session, as_json: bool, pool: str | None, **prompt_args: Any
     """How many leading tokens of TEXT (or --tokens) each pool has cached."""
     prompt = _prompt(**prompt_args)
     token_ids = session.client.tokenize_prompt(prompt)
-    matches = session.client.blockd.lookup(token_ids, cache_salt=prompt.cache_salt,
-                                           public_prefix_tokens=prompt.public_prefix_tokens, pool_id=pool)
+    matches = session.client.blockd.lookup(
+        token_ids,
+        cache_salt=prompt.cache_salt,
+        public_prefix_tokens=prompt.public_prefix_tokens,
+        pool_id=pool,
+    )
     if as_json:
         session.emit_json({"num_tokens": len(token_ids), "matches": [to_dict(m) for m in matches]})
         return
@@ -430,22 +581,33 @@ def flush(session: Session, as_json: bool, pool: str | None, salt: str | None) -
     if as_json:
         session.emit_json(to_dict(result))
         return
-    session.out.print(f"flushed: dropped {render.plural(result.dropped, 'cached block')}; "
-                      f"{result.busy:,} busy (still referenced, left in place)")
+    session.out.print(
+        f"flushed: dropped {render.plural(result.dropped, 'cached block')}; "
+        f"{result.busy:,} busy (still referenced, left in place)"
+    )
 
 
 @command("pin")
 @_prompt_options
-@click.option("--ttl", type=click.FloatRange(min=0, max=30 * 86400), default=3600.0, show_default=True,
-              help="Seconds the pin lasts.")
+@click.option(
+    "--ttl",
+    type=click.FloatRange(min=0, max=30 * 86400),
+    default=3600.0,
+    show_default=True,
+    help="Seconds the pin lasts.",
+)
 @click.option("--pool", help="Only this pool.")
 def pin(session: Session, as_json: bool, ttl: float, pool: str | None, **prompt_args: Any) -> None:
     """Keep the cached prefix of TEXT (or --tokens) from eviction for --ttl seconds."""
     prompt = _prompt(**prompt_args)
     token_ids = session.client.tokenize_prompt(prompt)
-    result = session.client.blockd.pin(token_ids, cache_salt=prompt.cache_salt,
-                                       public_prefix_tokens=prompt.public_prefix_tokens,
-                                       ttl_seconds=ttl, pool_id=pool)
+    result = session.client.blockd.pin(
+        token_ids,
+        cache_salt=prompt.cache_salt,
+        public_prefix_tokens=prompt.public_prefix_tokens,
+        ttl_seconds=ttl,
+        pool_id=pool,
+    )
     if as_json:
         session.emit_json(to_dict(result))
         return
@@ -465,9 +627,14 @@ def unpin(session: Session, as_json: bool, pin_id: str) -> None:
 
 @command("watch")
 @click.option("--pool", help="Only this pool.")
-@click.option("--after", "after_sequence", type=click.IntRange(min=0), default=None,
-              help="Replay the retained events after this sequence number first (0: all of them) "
-                   "[default: none, only new events].")
+@click.option(
+    "--after",
+    "after_sequence",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Replay the retained events after this sequence number first (0: all of them) "
+    "[default: none, only new events].",
+)
 def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int | None) -> None:
     """Print block events (stored / removed / cleared / gap) as they happen; Ctrl-C stops (exit 130)."""
     blockd = session.client.blockd
@@ -478,8 +645,10 @@ def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int
             if as_json:
                 click.echo(json.dumps(to_dict(event)))
             else:
-                session.out.print(f"#{event.sequence} {event.kind:<7} pool {event.pool_id} "
-                                  f"blocks {list(event.block_ids)}", markup=False)
+                session.out.print(
+                    f"#{event.sequence} {event.kind:<7} pool {event.pool_id} blocks {list(event.block_ids)}",
+                    markup=False,
+                )
     except KeyboardInterrupt:  # the normal way to stop watching: no error line, but exit 130
         click.get_current_context().exit(EXIT_INTERRUPTED)
 

@@ -101,51 +101,82 @@ def stats_table(stats: Stats) -> Table:
         if field.name == "pool_id":
             continue
         table.add_row(field.name, *(f"{getattr(s, field.name):,}" for s in columns))
-    table.add_row("hit rate (tokens)", *(percent(s.hit_tokens, s.queried_tokens) for s in columns),
-                  style="green")
+    table.add_row(
+        "hit rate (tokens)", *(percent(s.hit_tokens, s.queried_tokens) for s in columns), style="green"
+    )
     return table
 
 
 def pools_table(pools: Sequence[PoolInfo]) -> Table:
     table = Table(title=plural(len(pools), "pool"))
-    add_columns(table, ("pool", "worker", "model", "blocks", "free", "cached", "seqs", "hit rate", "lease"),
-                right=("blocks", "free", "cached", "seqs", "hit rate", "lease"))
+    add_columns(
+        table,
+        ("pool", "worker", "model", "blocks", "free", "cached", "seqs", "hit rate", "lease"),
+        right=("blocks", "free", "cached", "seqs", "hit rate", "lease"),
+    )
     for p in pools:
         lease = f"{p.lease_remaining_seconds:.0f}s" if p.is_live else "lapsed"
-        table.add_row(Text(p.pool_id), Text(p.worker_address or "-"),
-                      Text(f"{p.namespace.model_id} ({p.namespace.dtype})"),
-                      f"{p.num_blocks:,}×{p.block_size}", f"{p.stats.num_free_blocks:,}",
-                      f"{p.stats.num_cached_blocks:,}", str(p.stats.num_sequences),
-                      percent(p.stats.hit_tokens, p.stats.queried_tokens),
-                      Text(lease, style="green" if p.is_live else "red"))
+        table.add_row(
+            Text(p.pool_id),
+            Text(p.worker_address or "-"),
+            Text(f"{p.namespace.model_id} ({p.namespace.dtype})"),
+            f"{p.num_blocks:,}×{p.block_size}",
+            f"{p.stats.num_free_blocks:,}",
+            f"{p.stats.num_cached_blocks:,}",
+            str(p.stats.num_sequences),
+            percent(p.stats.hit_tokens, p.stats.queried_tokens),
+            Text(lease, style="green" if p.is_live else "red"),
+        )
     return table
 
 
 def blocks_table(blocks: Sequence[BlockInfo], num_total: int) -> Table:
     shown = plural(len(blocks), "cached block")
     table = Table(title=shown + (f" of {num_total:,}" if num_total > len(blocks) else ""))
-    add_columns(table, ("pool", "block", "index", "hash", "parent", "refs", "pinned", "salted", "tokens"),
-                right=("block", "index", "refs"))
+    add_columns(
+        table,
+        ("pool", "block", "index", "hash", "parent", "refs", "pinned", "salted", "tokens"),
+        right=("block", "index", "refs"),
+    )
     for b in blocks:
-        table.add_row(Text(b.pool_id), str(b.block_id), str(b.block_index), short_hash(b.block_hash),
-                      short_hash(b.parent_hash), str(b.ref_count), "yes" if b.is_pinned else "",
-                      "yes" if b.is_salted else "", preview_tokens(b.token_ids))
+        table.add_row(
+            Text(b.pool_id),
+            str(b.block_id),
+            str(b.block_index),
+            short_hash(b.block_hash),
+            short_hash(b.parent_hash),
+            str(b.ref_count),
+            "yes" if b.is_pinned else "",
+            "yes" if b.is_salted else "",
+            preview_tokens(b.token_ids),
+        )
     return table
 
 
 def lookup_table(matches: Sequence[PoolMatch], num_tokens: int) -> Table:
     table = Table(title=f"cached prefix of a {num_tokens}-token prompt")
-    add_columns(table, ("pool", "worker", "cached tokens", "share", "load", "sequences"),
-                right=("cached tokens", "share", "load", "sequences"))
+    add_columns(
+        table,
+        ("pool", "worker", "cached tokens", "share", "load", "sequences"),
+        right=("cached tokens", "share", "load", "sequences"),
+    )
     for m in matches:
-        table.add_row(Text(m.pool_id), Text(m.worker_address or "-"), str(m.num_cached_tokens),
-                      percent(m.num_cached_tokens, num_tokens), f"{100 * m.load:.0f}%", str(m.num_sequences))
+        table.add_row(
+            Text(m.pool_id),
+            Text(m.worker_address or "-"),
+            str(m.num_cached_tokens),
+            percent(m.num_cached_tokens, num_tokens),
+            f"{100 * m.load:.0f}%",
+            str(m.num_sequences),
+        )
     return table
 
 
 def pin_text(pin: PinResult) -> Text:
-    text = Text(f"pinned {plural(pin.num_pinned_tokens, 'token')} ({plural(pin.num_pinned_blocks, 'block')}) "
-                f"for {pin.expires_in_seconds:.0f} s; pin id ")
+    text = Text(
+        f"pinned {plural(pin.num_pinned_tokens, 'token')} ({plural(pin.num_pinned_blocks, 'block')}) "
+        f"for {pin.expires_in_seconds:.0f} s; pin id "
+    )
     text.append(pin.pin_id, style="bold")
     return text
 

@@ -74,8 +74,16 @@ class DaemonSpec:
     args: tuple[str, ...] = ()
 
     def command(self, ready_file: Path) -> list[str]:
-        return [sys.executable, "-m", self.module, "--listen", self.listen, "--ready-file", str(ready_file),
-                *self.args]
+        return [
+            sys.executable,
+            "-m",
+            self.module,
+            "--listen",
+            self.listen,
+            "--ready-file",
+            str(ready_file),
+            *self.args,
+        ]
 
 
 @dataclass(frozen=True)
@@ -97,9 +105,17 @@ class Stack:
 
     # -------------------------------------------------------------- public API
 
-    def up(self, blockd: str, computed: Sequence[str], *, model: str | None = None,
-           admin_token: str | None = None, blockd_args: Sequence[str] = (),
-           computed_args: Sequence[str] = (), timeout: float = 300.0) -> list[DaemonState]:
+    def up(
+        self,
+        blockd: str,
+        computed: Sequence[str],
+        *,
+        model: str | None = None,
+        admin_token: str | None = None,
+        blockd_args: Sequence[str] = (),
+        computed_args: Sequence[str] = (),
+        timeout: float = 300.0,
+    ) -> list[DaemonState]:
         """Start blockd, then each computed; returns their states once all are SERVING."""
         if not computed:
             raise StackError("need at least one --computed address")
@@ -116,9 +132,15 @@ class Stack:
             started.append(blockd_spec)
             blockd_address = self._wait_serving(blockd_spec, timeout)
             model_args = ("--model", model) if model else ()
-            specs = [DaemonSpec(_computed_name(i), "computed", address,
-                                ("--blockd", blockd_address, *model_args, *computed_args))
-                     for i, address in enumerate(computed)]
+            specs = [
+                DaemonSpec(
+                    _computed_name(i),
+                    "computed",
+                    address,
+                    ("--blockd", blockd_address, *model_args, *computed_args),
+                )
+                for i, address in enumerate(computed)
+            ]
             for spec in specs:
                 self._start(spec)
                 started.append(spec)
@@ -159,9 +181,15 @@ class Stack:
         with open(log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                    start_new_session=True)  # detached: survives this process
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )  # detached: survives this process
         with open(log_path, "a") as log:
             log.write(f"=== pid {proc.pid}\n")
         self._children[proc.pid] = proc
@@ -183,8 +211,9 @@ class Stack:
                 if health == "SERVING":
                     return address
             time.sleep(0.1)
-        raise StackError(f"{spec.name} not SERVING after {timeout:.0f}s ({health}):\n"
-                         f"{self._log_tail(spec.name)}")
+        raise StackError(
+            f"{spec.name} not SERVING after {timeout:.0f}s ({health}):\n{self._log_tail(spec.name)}"
+        )
 
     def _stop(self, names: Sequence[str], grace: float) -> list[str]:
         stopped = []
@@ -281,14 +310,23 @@ def _status_table(states: Sequence[DaemonState]) -> Table:
     table.add_column("address", overflow="fold")
     table.add_column("log", overflow="fold")
     for s in states:
-        table.add_row(s.name, str(s.pid or "-"), "running" if s.is_running else "stopped", s.health,
-                      s.address or "-", str(s.log_path))
+        table.add_row(
+            s.name,
+            str(s.pid or "-"),
+            "running" if s.is_running else "stopped",
+            s.health,
+            s.address or "-",
+            str(s.log_path),
+        )
     return table
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=python_command("-m", "clients.stack"), description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=python_command("-m", "clients.stack"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start blockd and computed, wait until SERVING")
     down = commands.add_parser("down", help="stop the stack (SIGTERM, then SIGKILL)")
@@ -296,11 +334,18 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (up, down, status):
         sub.add_argument("--run-dir", type=Path, default=Path("run"), help="logs, pid and ready files")
     up.add_argument("--blockd", default="127.0.0.1:50051", help="blockd listen address")
-    up.add_argument("--computed", action="append", default=None,
-                    help="computed listen address; repeat for several (default 127.0.0.1:50052)")
+    up.add_argument(
+        "--computed",
+        action="append",
+        default=None,
+        help="computed listen address; repeat for several (default 127.0.0.1:50052)",
+    )
     up.add_argument("--model", help="model directory for computed (default: its built-in model)")
-    up.add_argument("--admin-token", default=os.environ.get("BLOCKD_ADMIN_TOKEN"),
-                    help="blockd admin token (default: env BLOCKD_ADMIN_TOKEN)")
+    up.add_argument(
+        "--admin-token",
+        default=os.environ.get("BLOCKD_ADMIN_TOKEN"),
+        help="blockd admin token (default: env BLOCKD_ADMIN_TOKEN)",
+    )
     up.add_argument("--blockd-args", default="", help="more blockd flags, one shell-quoted string")
     up.add_argument("--computed-args", default="", help="more computed flags, one shell-quoted string")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each daemon")
@@ -315,9 +360,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack = Stack(args.run_dir)
     try:
         if args.command == "up":
-            states = stack.up(args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model,
-                              admin_token=args.admin_token, blockd_args=shlex.split(args.blockd_args),
-                              computed_args=shlex.split(args.computed_args), timeout=args.timeout)
+            states = stack.up(
+                args.blockd,
+                args.computed or ["127.0.0.1:50052"],
+                model=args.model,
+                admin_token=args.admin_token,
+                blockd_args=shlex.split(args.blockd_args),
+                computed_args=shlex.split(args.computed_args),
+                timeout=args.timeout,
+            )
             out.print(_status_table(states))
             computed = ",".join(s.address for s in states if s.name != "blockd" and s.address)
             blockd = next(s.address for s in states if s.name == "blockd")
@@ -332,8 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps([{**s.__dict__, "log_path": str(s.log_path)} for s in states], indent=2))
             elif not states:
                 up = python_command("-m", "clients.stack", "up", "--run-dir", str(args.run_dir))
-                out.print(f"nothing is running from {args.run_dir}; start the stack with `make up` "
-                          f"(or `{up}`)", markup=False)
+                out.print(
+                    f"nothing is running from {args.run_dir}; start the stack with `make up` (or `{up}`)",
+                    markup=False,
+                )
             else:
                 out.print(_status_table(states))
             return 0 if states and all(s.is_running for s in states) else 1

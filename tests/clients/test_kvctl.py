@@ -165,7 +165,11 @@ def test_an_address_without_port_or_with_a_scheme_says_so(live: LiveStack) -> No
     assert f"e.g. {live.blockd.address}" in url.stderr, "the hint is the address without the scheme"
     env = {**live.kvctl_env(), "KVCACHE_COMPUTED": "localhost"}
     from_env = run_kvctl("generate", "hello", env=env)
-    assert from_env.returncode == 2 and "KVCACHE_COMPUTED" in from_env.stderr and "has no port" in from_env.stderr
+    assert (
+        from_env.returncode == 2
+        and "KVCACHE_COMPUTED" in from_env.stderr
+        and "has no port" in from_env.stderr
+    )
 
 
 def test_swapped_addresses_are_named(live: LiveStack) -> None:
@@ -183,7 +187,15 @@ def test_errors_name_kvctl_commands_not_rpcs(live: LiveStack) -> None:
 
 
 def test_a_deadline_mid_stream_reports_the_partial_completion(live: LiveStack) -> None:
-    args = ("--timeout", "3", "generate", unique_prompt("kvctl deadline"), "--max-tokens", "7000", "--ignore-eos")
+    args = (
+        "--timeout",
+        "3",
+        "generate",
+        unique_prompt("kvctl deadline"),
+        "--max-tokens",
+        "7000",
+        "--ignore-eos",
+    )
     as_json = run_kvctl(*args, "--json", env=live.kvctl_env())
     assert as_json.returncode == 3, as_json.stderr
     partial = json.loads(as_json.stdout)
@@ -223,8 +235,14 @@ def test_watch_shows_new_events_only_and_exits_130_on_ctrl_c(live: LiveStack) ->
     generate_json(live, unique_prompt("kvctl watch history"))  # history the watch must not replay
     before = kvctl_json(live, "stats")["last_event_sequence"]
     assert before >= 1
-    proc = subprocess.Popen([sys.executable, "-m", "clients.kvctl", "watch", "--json"], cwd=REPO,
-                            env=live.kvctl_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clients.kvctl", "watch", "--json"],
+        cwd=REPO,
+        env=live.kvctl_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()

@@ -9,10 +9,19 @@ from clients import render
 from clients.types import Namespace, PoolInfo, PoolStats
 
 
-@pytest.mark.parametrize(("part", "whole", "shown"), [
-    (8096, 8100, "99.95%"), (99_999, 100_000, "99.999%"), (8100, 8100, "100.0%"), (0, 8100, "0.0%"),
-    (1, 100_000, "0.001%"), (1, 3, "33.3%"), (2, 3, "66.7%"), (5, 0, "-"),
-])
+@pytest.mark.parametrize(
+    ("part", "whole", "shown"),
+    [
+        (8096, 8100, "99.95%"),
+        (99_999, 100_000, "99.999%"),
+        (8100, 8100, "100.0%"),
+        (0, 8100, "0.0%"),
+        (1, 100_000, "0.001%"),
+        (1, 3, "33.3%"),
+        (2, 3, "66.7%"),
+        (5, 0, "-"),
+    ],
+)
 def test_percent_never_rounds_a_share_to_all_or_nothing(part: int, whole: int, shown: str) -> None:
     assert render.percent(part, whole) == shown
 

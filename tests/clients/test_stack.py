@@ -45,15 +45,24 @@ def pids_in(run_dir: Path) -> list[int]:
 
 def logged_pids(run_dir: Path) -> list[int]:
     """Every pid the stack started in this run folder (it logs "=== pid N" per start)."""
-    pids = [int(m) for log in run_dir.glob("*.log")
-            for m in re.findall(r"^=== pid (\d+)$", log.read_text(errors="replace"), re.MULTILINE)]
+    pids = [
+        int(m)
+        for log in run_dir.glob("*.log")
+        for m in re.findall(r"^=== pid (\d+)$", log.read_text(errors="replace"), re.MULTILINE)
+    ]
     assert pids, "the stack logs the pid of each daemon it starts"
     return pids
 
 
 def run_module(module: str, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def model_flags(tmp_path: Path) -> list[str]:
@@ -64,15 +73,30 @@ def model_flags(tmp_path: Path) -> list[str]:
 def test_up_status_down(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     blockd, computed = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    up = run_module("clients.stack", "up", "--run-dir", str(run_dir), "--blockd", blockd,
-                    "--computed", computed, *model_flags(tmp_path))
+    up = run_module(
+        "clients.stack",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--blockd",
+        blockd,
+        "--computed",
+        computed,
+        *model_flags(tmp_path),
+    )
     pids = pids_in(run_dir)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert len(pids) == 2 and all(is_alive(p) for p in pids)
         hint = next(line for line in up.stdout.splitlines() if line.startswith("try: "))
-        tried = subprocess.run(shlex.split(hint.removeprefix("try: ")), cwd=REPO, capture_output=True, text=True,
-                               timeout=120, check=False)
+        tried = subprocess.run(
+            shlex.split(hint.removeprefix("try: ")),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert tried.returncode == 0, f"{hint!r} runs as printed (no kvctl on PATH needed): {tried.stderr}"
         for name in ("blockd", "computed"):
             assert (run_dir / f"{name}.log").exists() and (run_dir / f"{name}.ready").exists()
@@ -85,8 +109,9 @@ def test_up_status_down(tmp_path: Path) -> None:
             prompt = unique_prompt("stack")
             client.complete(prompt, max_tokens=2)
             assert client.complete(prompt, max_tokens=2).usage.cached_tokens > 0
-        again = run_module("clients.stack", "up", "--run-dir", str(run_dir), "--blockd", blockd,
-                           "--computed", computed)
+        again = run_module(
+            "clients.stack", "up", "--run-dir", str(run_dir), "--blockd", blockd, "--computed", computed
+        )
         assert again.returncode == 1 and "already running" in again.stderr
     finally:
         down = run_module("clients.stack", "down", "--run-dir", str(run_dir))
@@ -103,8 +128,12 @@ def test_up_status_down(tmp_path: Path) -> None:
 def test_failed_start_shows_the_log_tail_and_stops_everything(tmp_path: Path) -> None:
     stack = Stack(tmp_path / "run")
     with pytest.raises(StackError) as error:
-        stack.up(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
-                 model=str(tmp_path / "no-such-model"), timeout=120)
+        stack.up(
+            f"127.0.0.1:{free_port()}",
+            [f"127.0.0.1:{free_port()}"],
+            model=str(tmp_path / "no-such-model"),
+            timeout=120,
+        )
     message = str(error.value)
     assert message.startswith("computed exited during start-up") and "  | " in message
     assert "no-such-model" in message
@@ -113,9 +142,20 @@ def test_failed_start_shows_the_log_tail_and_stops_everything(tmp_path: Path) ->
 
 def test_demo_runs_the_workload_and_stops_the_stack(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run_module("clients.demo", "--run-dir", str(run_dir), "--blockd", f"127.0.0.1:{free_port()}",
-                        "--computed", f"127.0.0.1:{free_port()}", "--requests", "4", "--max-tokens", "2",
-                        *model_flags(tmp_path))
+    result = run_module(
+        "clients.demo",
+        "--run-dir",
+        str(run_dir),
+        "--blockd",
+        f"127.0.0.1:{free_port()}",
+        "--computed",
+        f"127.0.0.1:{free_port()}",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "2",
+        *model_flags(tmp_path),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "hit rate of this run" in result.stdout and "Traceback" not in result.stdout + result.stderr
     assert not list(run_dir.glob("*.pid")), "the demo stops the stack it started"
@@ -140,8 +180,10 @@ def test_demo_reuses_a_running_stack_and_leaves_its_cache_alone(tmp_path: Path) 
         theirs = unique_prompt("someone else's cache")
         with KVCacheClient(addresses["blockd"], [addresses["computed"]]) as client:
             client.complete(theirs, max_tokens=2)
-        runs = [run_module("clients.demo", "--run-dir", str(run_dir), "--requests", "3", "--max-tokens", "2")
-                for _ in range(2)]
+        runs = [
+            run_module("clients.demo", "--run-dir", str(run_dir), "--requests", "3", "--max-tokens", "2")
+            for _ in range(2)
+        ]
         for run in runs:
             assert run.returncode == 0, run.stdout + run.stderr
             assert "already running" in run.stdout and "blocks dropped" not in run.stdout
@@ -160,10 +202,26 @@ def test_demo_reuses_a_running_stack_and_leaves_its_cache_alone(tmp_path: Path) 
 
 def test_demo_stops_the_stack_on_ctrl_c(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "clients.demo", "--run-dir", str(run_dir),
-                             "--blockd", f"127.0.0.1:{free_port()}", "--computed", f"127.0.0.1:{free_port()}",
-                             "--max-tokens", "16", *model_flags(tmp_path)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clients.demo",
+            "--run-dir",
+            str(run_dir),
+            "--blockd",
+            f"127.0.0.1:{free_port()}",
+            "--computed",
+            f"127.0.0.1:{free_port()}",
+            "--max-tokens",
+            "16",
+            *model_flags(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (run_dir / "computed.ready").exists() and proc.poll() is None:

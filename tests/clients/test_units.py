@@ -32,13 +32,17 @@ def test_retry_only_unavailable_and_only_up_to_max_attempts() -> None:
     assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, 0)
     assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, 1)
     assert not policy.should_retry(grpc.StatusCode.UNAVAILABLE, 2)
-    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                 grpc.StatusCode.PERMISSION_DENIED):
+    for code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    ):
         assert not policy.should_retry(code, 0)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"initial_backoff": 3.0, "max_backoff": 1.0},
-                                    {"multiplier": 0.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_attempts": 0}, {"initial_backoff": 3.0, "max_backoff": 1.0}, {"multiplier": 0.5}]
+)
 def test_retry_policy_rejects_nonsense(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         RetryPolicy(**kwargs)
@@ -74,8 +78,9 @@ def test_round_robin_cycles() -> None:
 
 
 def _match(address: str, cached: int) -> PoolMatch:
-    return PoolMatch(pool_id=f"pool-{address}", worker_address=address, num_cached_tokens=cached, load=0.0,
-                     num_sequences=0)
+    return PoolMatch(
+        pool_id=f"pool-{address}", worker_address=address, num_cached_tokens=cached, load=0.0, num_sequences=0
+    )
 
 
 def test_choose_routed_takes_the_best_known_worker_as_the_client_spells_it() -> None:
@@ -89,8 +94,9 @@ def test_choose_routed_takes_the_best_known_worker_as_the_client_spells_it() -> 
     assert normalize_address("dns:///localhost:1") == "127.0.0.1:1"
 
 
-def _block(block_id: int, index: int, parent: bytes | None, tokens: list[int], pool: str = "p",
-           refs: int = 0) -> BlockInfo:
+def _block(
+    block_id: int, index: int, parent: bytes | None, tokens: list[int], pool: str = "p", refs: int = 0
+) -> BlockInfo:
     return BlockInfo(pool, block_id, bytes([block_id]) * 16, parent, tuple(tokens), refs, False, index, False)
 
 
@@ -98,9 +104,14 @@ def test_prefix_forest_compresses_runs_and_branches() -> None:
     # 0 -> 1 -> 2 -> {3, 5 -> 6}; 4 is another first block; 7's parent is not cached.
     b = {i: bytes([i]) * 16 for i in range(10)}
     blocks = [
-        _block(0, 0, None, [1, 2]), _block(1, 1, b[0], [3, 4]), _block(2, 2, b[1], [5, 6]),
-        _block(3, 3, b[2], [7, 8], refs=2), _block(5, 3, b[2], [9, 9]), _block(6, 4, b[5], [8, 8]),
-        _block(4, 0, None, [0, 0]), _block(7, 5, b"\xee" * 16, [1, 1]),
+        _block(0, 0, None, [1, 2]),
+        _block(1, 1, b[0], [3, 4]),
+        _block(2, 2, b[1], [5, 6]),
+        _block(3, 3, b[2], [7, 8], refs=2),
+        _block(5, 3, b[2], [9, 9]),
+        _block(6, 4, b[5], [8, 8]),
+        _block(4, 0, None, [0, 0]),
+        _block(7, 5, b"\xee" * 16, [1, 1]),
         _block(1, 0, None, [4, 4], pool="other"),
     ]
     forest = build_prefix_forest(blocks)
@@ -118,13 +129,17 @@ def test_prefix_forest_compresses_runs_and_branches() -> None:
 
 def test_completion_from_chunks_and_json_keys() -> None:
     usage = Usage(10, 8, 3, 0.01, 0.05, 0)
-    chunks = [GenerateChunk("r1", (5,), "he", None, None), GenerateChunk("r1", (6, 7), "llo", "length", usage)]
+    chunks = [
+        GenerateChunk("r1", (5,), "he", None, None),
+        GenerateChunk("r1", (6, 7), "llo", "length", usage),
+    ]
     completion = Completion.from_chunks(chunks, "127.0.0.1:50052")
     assert completion.text == "hello" and completion.token_ids == (5, 6, 7)
     as_json = completion.to_dict()
     assert {"text", "token_ids", "finish_reason", "usage"} <= set(as_json)
     assert {"prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_seconds"} <= set(
-        as_json["usage"])
+        as_json["usage"]
+    )
     assert to_dict(_block(1, 0, None, [1]))["block_hash"] == "01" * 16
     with pytest.raises(ValueError, match="without finish_reason"):
         Completion.from_chunks(chunks[:1], "x")
@@ -135,8 +150,9 @@ def test_prompt_needs_exactly_one_form_and_builds_requests() -> None:
         Prompt.of("text", token_ids=[1])
     with pytest.raises(ValueError):
         Prompt.of()
-    request = Prompt.of(messages=[("system", "s"), {"role": "user", "content": "u"}], cache_salt="t").to_request(
-        SamplingParams.of(max_tokens=4, stop="END", temperature=0.0))
+    request = Prompt.of(
+        messages=[("system", "s"), {"role": "user", "content": "u"}], cache_salt="t"
+    ).to_request(SamplingParams.of(max_tokens=4, stop="END", temperature=0.0))
     assert [m.role for m in request.messages] == ["system", "user"]
     assert request.max_tokens == 4 and request.HasField("temperature") and not request.HasField("top_p")
     assert list(request.stop) == ["END"] and request.cache_salt == "t"
@@ -158,6 +174,12 @@ def test_kvctl_help_explains_every_option_and_names_the_env_vars() -> None:
         undocumented = [p.name for p in command.params if isinstance(p, click.Option) and not p.help]
         assert not undocumented, f"kvctl {command.name}: {undocumented}"
     shown = CliRunner().invoke(cli, ["--help"], terminal_width=200).output
-    for variable in ("KVCACHE_BLOCKD", "KVCACHE_COMPUTED", "KVCACHE_ADMIN_TOKEN", "KVCACHE_TIMEOUT",
-                     "KVCACHE_TLS_CA", "KVCACHE_TLS_SERVER_NAME"):
+    for variable in (
+        "KVCACHE_BLOCKD",
+        "KVCACHE_COMPUTED",
+        "KVCACHE_ADMIN_TOKEN",
+        "KVCACHE_TIMEOUT",
+        "KVCACHE_TLS_CA",
+        "KVCACHE_TLS_SERVER_NAME",
+    ):
         assert variable in shown
