@@ -91,15 +91,16 @@ class Block:
 class Sequence:
     """A live sequence of one pool.
 
-    `block_ids[:num_committed]` are committed (records exist, each holds one reference
-    for this sequence); `block_ids[num_committed:]` are owned by this sequence alone.
-    `token_bytes` are the tokens known to be written or to be written (prompt, then
-    committed content); commits must agree with them where they overlap.
+    `committed` are the records of `block_ids[:num_committed]` (each holds one
+    reference for this sequence), kept beside the ids so a release touches no dict;
+    `block_ids[num_committed:]` are owned by this sequence alone. `token_bytes` are
+    the tokens known to be written or to be written (prompt, then committed content);
+    commits must agree with them where they overlap.
     """
 
     __slots__ = (
         "block_ids",
-        "num_committed",
+        "committed",
         "salt",
         "salt_block",
         "sequence_id",
@@ -110,14 +111,18 @@ class Sequence:
         self,
         sequence_id: SequenceId,
         block_ids: list[BlockId],
+        committed: list[Block],
         token_bytes: bytes,
-        num_committed: int,
         salt: str,
         salt_block: int | None,
     ) -> None:
         self.sequence_id = sequence_id
         self.block_ids = block_ids
+        self.committed = committed
         self.token_bytes = token_bytes
-        self.num_committed = num_committed
         self.salt = salt
         self.salt_block = salt_block
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.committed)

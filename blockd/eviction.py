@@ -11,6 +11,7 @@ evicted first. Policies come from `POLICIES` by name.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from itertools import count
 from typing import Protocol
 
@@ -70,6 +71,18 @@ class EvictableLeaves:
         key = next(self._keys)
         block.heap_key = key
         heapq.heappush(self._heap, (self._policy.priority(block), key, block))
+
+    @property
+    def priority(self) -> Callable[[Block], tuple[int, ...]]:
+        """The policy's priority function (smallest evicted first)."""
+        return self._policy.priority
+
+    def first_priority(self) -> tuple[int, ...] | None:
+        """The smallest priority in the heap (None when empty). A stale entry may hold
+        it, so a block whose priority is below it would be popped first if pushed (a
+        pushed block loses ties: its key is the newest), and the heap can skip it."""
+        heap = self._heap
+        return heap[0][0] if heap else None
 
     def pop(self) -> Block | None:
         """The evictable leaf of smallest priority, or None when there is none."""

@@ -100,8 +100,13 @@ class BlockPool:
         candidate is a hit only when its parent is the previous hit (the same physical
         block) and its payload (tokens and mixed salt) is equal: an equal hash alone
         never decides. Cost per hit: a digest, a dict lookup and a payload comparison."""
+        walk, lookup = self._hasher.walk, self.index.get
+        # A new prompt misses at block 0: probing that block alone spares cutting the
+        # whole prompt into blocks (bench.blockd_core, cold: 11 us for 256 blocks).
+        if not walk(self.seed, prompt.payloads(self.block_size, limit=1), lookup):
+            return []
         payloads = prompt.payloads(self.block_size)
-        candidates: list[Block] = self._hasher.walk(self.seed, payloads, self.index.get)
+        candidates: list[Block] = walk(self.seed, payloads, lookup)
         num_hits = 0
         parent: Block | None = None
         for block, payload in zip(candidates, payloads):
@@ -120,24 +125,26 @@ class BlockPool:
         enough free + evictable blocks nothing changes and admitted is False."""
         num_tokens = prompt.num_tokens
         hits = self.match(prompt)
-        num_revived = 0
-        for block in hits:
-            if block.ref_count == 0:
-                num_revived += 1
         num_missing = self.num_blocks_for(num_tokens) - len(hits)
-        if len(self.free) + self.num_evictable - num_revived < num_missing:
+        available = len(self.free) + self.num_evictable
+        # Referencing an unreferenced hit takes it from the evictable blocks; count those
+        # only when it can matter (a warm admission need not walk its hits twice).
+        if available - len(hits) < num_missing and available - _num_unreferenced(hits) < num_missing:
             self.counters.num_admissions_deferred += 1
             return AdmitResult(sequence_id, False)
-        self.num_evictable -= num_revived
-        self.num_referenced += num_revived
+        num_revived = 0
         for block in hits:
+            if not block.ref_count:
+                num_revived += 1
             block.ref_count += 1
             block.num_hits += 1
+        self.num_evictable -= num_revived
+        self.num_referenced += num_revived
         block_ids = [block.block_id for block in hits]
         block_ids += self._allocate(num_missing)
         salt_block = prompt.salt_block(self.block_size)
         self.sequences[sequence_id] = Sequence(
-            sequence_id, block_ids, prompt.token_bytes, len(hits), prompt.salt, salt_block
+            sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block
         )
         num_cached_tokens = len(hits) * self.block_size
         counters = self.counters
@@ -161,24 +168,18 @@ class BlockPool:
         """Make the sequence's next uncommitted blocks findable (validated: they are the
         run from its first uncommitted block and `data` is exactly their tokens)."""
         sequence = self.sequences[sequence_id]
-        start = sequence.num_committed
+        committed = sequence.committed
+        start = len(committed)
         assert block_ids == sequence.block_ids[start : start + len(block_ids)], "commit run"
-        parent = self.blocks[sequence.block_ids[start - 1]] if start else None
+        parent = committed[-1] if committed else None
         blocks = split_blocks(data, self.block_size)
         salt_index = sequence.salt_block - start if sequence.salt_block is not None else None
         payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
-        stored: list[Block] = []
-        for j, block_id in enumerate(block_ids):
-            mixed_salt = sequence.salt if j == salt_index else None
-            parent = self._commit_block(block_id, hashes[j], parent, blocks[j], mixed_salt, payloads[j])
-            if parent.is_cached:
-                stored.append(parent)
-        sequence.num_committed += len(block_ids)
+        committed += self._commit_run(parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index)
         known = sequence.token_bytes
         offset = start * block_width(self.block_size)
         sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
-        self._emit_stored(stored)
 
     def release(self, sequence_id: SequenceId) -> None:
         """Drop the sequence's references: committed blocks stay findable (evictable)
@@ -187,19 +188,18 @@ class BlockPool:
         sequence = self.sequences.pop(sequence_id)
         self._tick += 1
         tick = self._tick
-        blocks = self.blocks
-        num_committed = sequence.num_committed
-        for block_id in sequence.block_ids[:num_committed]:
-            block = blocks[block_id]
+        num_idle = 0  # unreferenced now, cached, with cached children: evictable, not leaves
+        for block in sequence.committed:
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if not block.ref_count:
                 block.last_tick = tick
                 if block.is_cached and block.num_cached_children:  # the common case, inlined
-                    self.num_evictable += 1
-                    self.num_referenced -= 1
+                    num_idle += 1
                 else:
                     self._unreferenced(block, tick)
-        owned = sequence.block_ids[num_committed:]
+        self.num_evictable += num_idle
+        self.num_referenced -= num_idle
+        owned = sequence.block_ids[sequence.num_committed :]
         self.free.give_all(owned)
         self.num_referenced -= len(owned)
 
@@ -212,8 +212,9 @@ class BlockPool:
         matching = [b for b in self.index.values() if salt is None or b.chain_salt == salt]
         dropped = [b for b in matching if b.ref_count == 0]
         for block in dropped:
-            self._uncache(block)
-            del self.blocks[block.block_id]
+            leaf = self._uncache(block)
+            if leaf is not None:
+                self.leaves.push(leaf)
         self.num_evictable -= len(dropped)
         self.free.give_all([block.block_id for block in dropped])
         for i in range(0, len(dropped), EVENT_CHUNK):
@@ -259,58 +260,97 @@ class BlockPool:
         self.num_referenced = len(held)
         num_stored = 0
         for plan in plans:
-            stored: list[Block] = []  # shared blocks form a prefix, so these form a chain
             prompt = plan.prompt
             blocks = prompt.blocks(self.block_size)
             payloads = prompt.payloads(self.block_size)
             hashes = self._hasher.walk(self.seed, payloads)
-            salt_block = prompt.salt_block(self.block_size)
-            parent: Block | None = None
-            for i, block_id in enumerate(plan.block_ids[: len(blocks)]):
+            table = plan.block_ids[: len(blocks)]
+            # Validated: a block held by an earlier sequence is the same full block (so
+            # it has the same hash), and such shared blocks form a prefix of the table.
+            committed: list[Block] = []
+            for block_id in table:
                 shared = self.blocks.get(block_id)
-                if shared is not None:  # validated: the same full block, so the same hash
-                    shared.ref_count += 1
-                    parent = shared
-                    continue
-                mixed_salt = prompt.salt if i == salt_block else None
-                parent = self._commit_block(block_id, hashes[i], parent, blocks[i], mixed_salt, payloads[i])
-                if parent.is_cached:
-                    stored.append(parent)
+                if shared is None:
+                    break
+                shared.ref_count += 1
+                committed.append(shared)
+            start = len(committed)
+            salt_block = prompt.salt_block(self.block_size)
+            salt_index = salt_block - start if salt_block is not None else None
+            run = self._commit_run(
+                committed[-1] if committed else None,
+                table[start:],
+                hashes[start:],
+                blocks[start:],
+                payloads[start:],
+                prompt.salt,
+                salt_index,
+            )
+            num_stored += sum(1 for block in run if block.is_cached)
             self.sequences[plan.sequence_id] = Sequence(
                 plan.sequence_id,
                 list(plan.block_ids),
+                committed + run,
                 prompt.token_bytes,
-                len(blocks),
                 prompt.salt,
                 salt_block,
             )
-            self._emit_stored(stored)
-            num_stored += len(stored)
         return num_stored
 
     # ------------------------------------------------------------ private helpers
 
-    def _commit_block(
+    def _commit_run(
         self,
-        block_id: BlockId,
-        block_hash: BlockHash,
         parent: Block | None,
-        tokens: bytes,
-        mixed_salt: str | None,
-        payload: bytes,
-    ) -> Block:
-        """Create the record of a block its sequence has just written, and index it
-        unless an entry with that hash exists (an identical copy, or a collision) or
-        its parent is not findable (it could never be reached by a walk)."""
-        assert block_id not in self.blocks, f"block {block_id} is already committed"
-        block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
-        self.blocks[block_id] = block
-        if (parent is None or parent.is_cached) and block_hash not in self.index:
-            self.index[block_hash] = block
-            block.is_cached = True
-            if parent is not None:
-                parent.num_cached_children += 1
-        return block
+        block_ids: list[BlockId],
+        hashes: list[BlockHash],
+        blocks: list[bytes],
+        payloads: list[bytes],
+        salt: str,
+        salt_index: int | None,
+    ) -> list[Block]:
+        """Records for a run of blocks its sequence has just written, parent to child
+        (`salt_index` counts from the run's first block); answers them. A block is
+        indexed unless an entry with its hash exists (an identical copy, or a collision)
+        or its parent is not findable (it could never be reached by a walk), so the
+        indexed blocks are a prefix of the run: one STORED event, cut from the inputs."""
+        records = self.blocks
+        index = self.index
+        assert records.keys().isdisjoint(block_ids), "a block of the run is already committed"
+        salts: list[str | None] = [None] * len(block_ids)
+        if salt_index is not None and 0 <= salt_index < len(salts):
+            salts[salt_index] = salt
+        first_parent = parent
+        indexing = parent is None or parent.is_cached
+        num_stored = 0
+        run: list[Block] = []
+        append = run.append
+        for block_id, block_hash, tokens, payload, mixed_salt in zip(
+            block_ids, hashes, blocks, payloads, salts
+        ):
+            block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
+            records[block_id] = block
+            if indexing:
+                if block_hash in index:
+                    indexing = False  # this block and its descendants stay unfindable
+                else:
+                    index[block_hash] = block
+                    block.is_cached = True
+                    if parent is not None:
+                        parent.num_cached_children += 1
+                    num_stored += 1
+            append(block)
+            parent = block
+        if num_stored:
+            self._events.append(
+                EventKind.STORED,
+                self.pool_id,
+                tuple(hashes[:num_stored]),
+                tuple(block_ids[:num_stored]),
+                first_parent.block_hash if first_parent is not None else None,
+                b"".join(blocks[:num_stored]),
+            )
+        return run
 
     def _allocate(self, num: int) -> list[BlockId]:
         """`num` blocks for a sequence: free ones first, then evicted leaves."""
@@ -322,32 +362,51 @@ class BlockPool:
         return block_ids
 
     def _evict(self, num: int) -> list[BlockId]:
+        """`num` evictable leaves, in the policy's order. Evicting a leaf can make its
+        parent a leaf; when that parent would be the heap's next answer anyway (LRU: a
+        chain shares one tick), it is evicted at once instead of going through the heap,
+        so a chain goes tail first for one heap pop (bench.blockd_grpc: an admission
+        there evicts a 128-block chain)."""
+        leaves = self.leaves
+        priority = leaves.priority
         evicted: list[Block] = []
-        for _ in range(num):
-            block = self.leaves.pop()
+        while len(evicted) < num:
+            block = leaves.pop()
             assert block is not None, "evictable count promised a leaf"
-            self._uncache(block)
-            del self.blocks[block.block_id]
-            evicted.append(block)
+            bar = leaves.first_priority()  # the heap is left alone until this chain stops
+            while block is not None:
+                evicted.append(block)
+                leaf = self._uncache(block)
+                block = None
+                if leaf is not None:
+                    if len(evicted) < num and (bar is None or priority(leaf) < bar):
+                        block = leaf  # pop() would answer it next: a pushed block loses ties
+                    else:
+                        leaves.push(leaf)
         self.num_evictable -= num
         self.counters.num_evictions += num
+        block_ids = [block.block_id for block in evicted]
         self._events.append(
-            EventKind.REMOVED,
-            self.pool_id,
-            tuple(b.block_hash for b in evicted),
-            tuple(b.block_id for b in evicted),
+            EventKind.REMOVED, self.pool_id, tuple([b.block_hash for b in evicted]), tuple(block_ids)
         )
-        return [block.block_id for block in evicted]
+        return block_ids
 
-    def _uncache(self, block: Block) -> None:
+    def _uncache(self, block: Block) -> Block | None:
+        """Drop an unreferenced cached block's index entry and record; answers its parent
+        when that became an evictable leaf (the caller decides whether to push it)."""
         assert self.index.get(block.block_hash) is block, f"{block} is not indexed"
         del self.index[block.block_hash]
+        del self.blocks[block.block_id]
         block.is_cached = False
+        block.heap_key = None
         parent = block.parent
-        if parent is not None:
-            parent.num_cached_children -= 1
-            if parent.is_evictable_leaf:
-                self.leaves.push(parent)
+        if parent is None:
+            return None
+        parent.num_cached_children -= 1
+        # `is_evictable_leaf`, inlined: this runs once per evicted block
+        if parent.is_cached and not parent.ref_count and not parent.num_cached_children:
+            return parent
+        return None
 
     def _unreferenced(self, block: Block, tick: int) -> None:
         """A block's last reference is gone: cached ones become evictable, the others
@@ -362,15 +421,6 @@ class BlockPool:
             del self.blocks[block.block_id]
             self.free.give_all([block.block_id])
 
-    def _emit_stored(self, stored: list[Block]) -> None:
-        """One STORED event for a chain of newly cached blocks (parent to child)."""
-        if stored:
-            parent = stored[0].parent
-            self._events.append(
-                EventKind.STORED,
-                self.pool_id,
-                tuple(b.block_hash for b in stored),
-                tuple(b.block_id for b in stored),
-                parent.block_hash if parent is not None else None,
-                b"".join(b.token_bytes for b in stored),
-            )
+
+def _num_unreferenced(blocks: list[Block]) -> int:
+    return sum(1 for block in blocks if not block.ref_count)

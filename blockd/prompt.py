@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blockd.hashing import TOKEN_BYTES, block_payloads, salt_block_index, split_blocks
+from blockd.hashing import TOKEN_BYTES, block_payloads, block_width, salt_block_index, split_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +28,12 @@ class Prompt:
         """The tokens of each full block (the partial tail has none)."""
         return split_blocks(self.token_bytes, block_size)
 
-    def payloads(self, block_size: int) -> list[bytes]:
-        """What each full block's hash covers after its parent's (`hashing.block_payloads`)."""
+    def payloads(self, block_size: int, limit: int | None = None) -> list[bytes]:
+        """What each full block's hash covers after its parent's (`hashing.block_payloads`);
+        with `limit`, of the first `limit` blocks only (not kept)."""
+        if limit is not None:
+            head = self.token_bytes[: limit * block_width(block_size)]
+            return block_payloads(split_blocks(head, block_size), self.salt, self.salt_block(block_size))
         payloads = self._payloads.get(block_size)
         if payloads is None:
             payloads = block_payloads(self.blocks(block_size), self.salt, self.salt_block(block_size))

@@ -165,7 +165,6 @@ def plan_step(
     grows: Seq[GrowOp],
     admits: Seq[AdmitOp],
 ) -> StepPlan:
-    where = f"pool {pool.pool_id!r}"
     released: set[SequenceId] = set()
     next_commit: dict[SequenceId, int] = {}
     plan = StepPlan([], [], [], [])
@@ -174,14 +173,14 @@ def plan_step(
     for op in releases:
         if op.sequence_id not in pool.sequences or op.sequence_id in released:
             raise NotFound(
-                f"release: sequence {op.sequence_id} is not live in {where} "
+                f"release: sequence {op.sequence_id} is not live in pool {pool.pool_id!r} "
                 f"(released already, or never admitted)"
             )
         released.add(op.sequence_id)
         plan.releases.append(op.sequence_id)
     for op in grows:
         if op.sequence_id not in pool.sequences or op.sequence_id in released:
-            raise NotFound(f"grow: sequence {op.sequence_id} is not live in {where}")
+            raise NotFound(f"grow: sequence {op.sequence_id} is not live in pool {pool.pool_id!r}")
         _check_num_tokens(pool, config, op.num_tokens, f"grow of sequence {op.sequence_id}")
         plan.grows.append((op.sequence_id, op.num_tokens))
     admitted: set[SequenceId] = set()
@@ -189,7 +188,7 @@ def plan_step(
         sequence_id = op.sequence_id
         if (sequence_id in pool.sequences and sequence_id not in released) or sequence_id in admitted:
             raise InvalidArgument(
-                f"admit: sequence id {sequence_id} is already live in {where}; "
+                f"admit: sequence id {sequence_id} is already live in pool {pool.pool_id!r}; "
                 f"ids must be unique among live sequences"
             )
         admitted.add(sequence_id)
@@ -218,7 +217,7 @@ def plan_resync(pool: BlockPool, config: DirectoryConfig, sequences: Seq[ResyncS
         prompt = make_prompt(
             seq.token_ids, seq.cache_salt, seq.public_prefix_tokens, config.max_sequence_tokens, what
         )
-        block_ids = [BlockId(b) for b in seq.block_ids]
+        block_ids: list[BlockId] = list(seq.block_ids)
         if len(block_ids) < pool.num_blocks_for(prompt.num_tokens):
             raise InvalidArgument(
                 f"{what}: {len(block_ids)} blocks cannot hold {prompt.num_tokens} tokens "
@@ -253,7 +252,7 @@ def _plan_commit(
     sequence = pool.sequences.get(op.sequence_id)
     if sequence is None:
         raise NotFound(f"{what}: the sequence is not live in pool {pool.pool_id!r}")
-    block_ids = [BlockId(b) for b in op.block_ids]
+    block_ids: list[BlockId] = list(op.block_ids)
     table = sequence.block_ids
     start = next_commit.get(op.sequence_id, sequence.num_committed)
     foreign = set(block_ids).difference(table)

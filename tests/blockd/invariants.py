@@ -57,9 +57,11 @@ def check_invariants(directory: BlockDirectory) -> None:
             assert len(table) * width >= len(sequence.token_bytes)
             assert sequence.num_committed <= len(table)
             assert sequence.num_committed * width <= len(sequence.token_bytes)
+            assert len(sequence.committed) == sequence.num_committed
             parent = None
             for i, block_id in enumerate(table[: sequence.num_committed]):
                 block = pool.blocks[block_id]
+                assert sequence.committed[i] is block, f"sequence {sequence.sequence_id}: stale record"
                 assert block.parent is parent, (
                     f"block {block_id} of sequence {sequence.sequence_id}: wrong parent"
                 )
