@@ -159,10 +159,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return tokens
 
     def _sampling_params(self, request: pb.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
-        max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        if max_tokens > self.info.max_model_len:
-            raise RequestError(f"max_tokens {max_tokens} exceeds the model's context of "
-                               f"{self.info.max_model_len} tokens")
+        # Refused, not silently clamped, when an explicit max_tokens cannot fit beside the
+        # prompt (as vLLM and OpenAI do); the default alone never refuses a prompt that fits.
+        room = self.info.max_model_len - num_prompt_tokens  # >= 1: _prompt_tokens refused the rest
+        if not request.HasField("max_tokens"):
+            max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        else:
+            max_tokens = request.max_tokens
+            if max_tokens > room:
+                raise RequestError(
+                    f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's "
+                    f"context is {self.info.max_model_len}: at most {room} completion tokens fit; lower "
+                    f"max_tokens to {room} or shorten the prompt by {max_tokens - room} tokens")
         for token in request.stop_token_ids:
             if token >= self.info.vocab_size:
                 raise RequestError(f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}")

@@ -229,3 +229,28 @@ def _metrics_port(stack: Stack) -> int:
 
             return int(json.loads(line)["port"])
     raise AssertionError("computed did not log its metrics port:\n" + stack.computed.log())
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    s = _stack(tmp_path_factory, "llama", "--num-blocks", "64", "--max-model-len", "48")
+    yield s
+    assert s.computed.stop() == 0, s.computed.log()
+    assert s.blockd.stop() == 0, s.blockd.log()
+
+
+def test_max_tokens_that_cannot_fit_beside_the_prompt_is_refused(short_context):
+    with pytest.raises(grpc.RpcError) as err:
+        short_context.generate(prompt(60, 47), 8)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt has 47 tokens and max_tokens is 8" in err.value.details()
+    assert "at most 1 completion tokens fit" in err.value.details()
+    out, _ = short_context.generate(prompt(61, 40), 8)  # exactly fits: 40 + 8 = 48
+    assert len(out) == 8
+
+
+def test_default_max_tokens_stops_at_the_context(short_context):
+    responses = list(short_context.gen.Generate(generation_pb2.GenerateRequest(
+        prompt_token_ids=prompt(62, 47), temperature=0.0, ignore_eos=True), timeout=60))
+    tokens = [t for r in responses for t in r.token_ids]
+    assert len(tokens) == 1 and responses[-1].finish_reason == "length"

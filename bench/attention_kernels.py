@@ -1,0 +1,86 @@
+"""`python -m bench.attention_kernels`: the CPU attention kernels on the tiles a step makes.
+
+Prints milliseconds per call for each tile shape (I items x Qm queries x Lm keys, the
+default model's 8 query / 4 K/V heads x 32) and each way to run it: torch's fused CPU
+flash kernel with each K/V head's query heads folded into its rows ("fold"), the same
+kernel with K/V repeated per query head ("repeat"), and float32 batched matmuls with a
+log-sum-exp ("matmul"); also a K/V gather from the pool by slots and by whole blocks,
+with glibc's default allocator thresholds and with computed's (`host_allocator`). The
+choices in `computed/attention.py` cite this table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+HEADS, KV_HEADS, DIM, BLOCK = 8, 4, 32, 16
+GROUP = HEADS // KV_HEADS
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+SHAPES = [  # (what, items, queries, keys)
+    ("decode rows, private context", 64, 1, 128),
+    ("decode rows, whole context", 64, 1, 1152),
+    ("shared segment, 64 decode rows", 1, 64, 1024),
+    ("shared segment, 63 x 64 prefill rows", 1, 4032, 1024),
+    ("long shared segment, 16 decode rows", 1, 16, 4096),
+    ("prefill chunk, causal", 1, 1088, 1088),
+]
+
+
+def timed(fn, repeats: int = 20) -> float:
+    fn()
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def fold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # q (I, Q, H, D), k/v (I, L, Hkv, D)
+    items, width_q = q.shape[:2]
+    qf = q.view(items, width_q, KV_HEADS, GROUP, DIM).permute(0, 2, 1, 3, 4).reshape(items, KV_HEADS, -1, DIM)
+    return FLASH(qf, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, scale=DIM ** -0.5)
+
+
+def repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    kh = k.transpose(1, 2).repeat_interleave(GROUP, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(GROUP, dim=1)
+    return FLASH(q.transpose(1, 2), kh, vh, 0.0, False, scale=DIM ** -0.5)
+
+
+def matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    items, width_q = q.shape[:2]
+    qf = q.view(items, width_q, KV_HEADS, GROUP, DIM).permute(0, 2, 1, 3, 4).reshape(items, KV_HEADS, -1, DIM)
+    scores = qf @ k.permute(0, 2, 3, 1) * DIM ** -0.5
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    return (scores - lse).exp_() @ v.transpose(1, 2), lse
+
+
+def main() -> None:
+    tuned = "--default-malloc" not in sys.argv
+    if tuned:
+        from computed.host_allocator import keep_large_buffers
+
+        keep_large_buffers()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator thresholds "
+          f"{'raised (computed)' if tuned else 'glibc default'}")
+    print(f"{'tile':40} {'I x Qm x Lm':>18} {'fold':>8} {'repeat':>8} {'matmul':>8}  (ms)")
+    for what, items, width_q, width_k in SHAPES:
+        q = torch.randn(items, width_q, HEADS, DIM)
+        k, v = torch.randn(2, items, width_k, KV_HEADS, DIM).unbind(0)
+        repeats = 5 if width_q * width_k > 10**6 else 20
+        row = [timed(lambda f=f, q=q, k=k, v=v: f(q, k, v), repeats) for f in (fold, repeat, matmul)]
+        print(f"{what:40} {f'{items} x {width_q} x {width_k}':>18} " + " ".join(f"{x:8.2f}" for x in row))
+    pool = torch.randn(16384 * BLOCK, KV_HEADS * DIM)
+    blocks = torch.randint(0, 16384, (64 * 70,))
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)
+    by_block = pool.view(16384, -1)
+    print(f"gather 64 x 1,120 slots of K: by slot {timed(lambda: pool.index_select(0, slots)):.2f} ms, "
+          f"by block {timed(lambda: by_block.index_select(0, blocks)):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
