@@ -47,6 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'authorization: Bearer TOKEN' on admin calls [BLOCKD_ADMIN_TOKEN]",
     )
     parser.add_argument(
+        "--worker-token",
+        default=_env("WORKER_TOKEN"),
+        metavar="TOKEN",
+        help="require 'authorization: Bearer TOKEN' on worker calls (RegisterPool, RenewLease, Step, "
+        "Resync), and a live pool's own pool_token to re-register it; without it the worker API is "
+        "open (loopback only) [BLOCKD_WORKER_TOKEN]",
+    )
+    parser.add_argument(
+        "--route-token",
+        default=_env("ROUTE_TOKEN"),
+        metavar="TOKEN",
+        help="require 'authorization: Bearer TOKEN' on Route [BLOCKD_ROUTE_TOKEN]",
+    )
+    parser.add_argument(
         "--max-sequence-tokens",
         type=int,
         metavar="N",
@@ -141,6 +155,8 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
     return BlockdConfig(
         listen=args.listen,
         admin_token=args.admin_token,
+        worker_token=args.worker_token,
+        route_token=args.route_token,
         ready_file=args.ready_file,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

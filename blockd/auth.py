@@ -1,4 +1,9 @@
-"""Admin authentication: a shared bearer token, compared in constant time."""
+"""Bearer-token authentication of call metadata, compared in constant time.
+
+blockd has three independent credentials, each optional: the admin token (operator
+calls), the worker token (the worker API) and the route token (Route). Each is a
+`BearerAuth`; with no token configured, every call of that kind is allowed.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Iterable
 
 
 class AuthError(Exception):
-    """Raised for an admin call that may not proceed."""
+    """Raised for a call that may not proceed."""
 
 
 class MissingCredentials(AuthError):
@@ -15,15 +20,17 @@ class MissingCredentials(AuthError):
 
 
 class WrongCredentials(AuthError):
-    """A bearer token that is not the admin token (PERMISSION_DENIED)."""
+    """A bearer token that is not the configured one (PERMISSION_DENIED)."""
 
 
-class AdminAuth:
-    """Checks call metadata against the configured admin token; with no token
-    configured every call is allowed."""
+class BearerAuth:
+    """Checks call metadata against one configured token. `role` names the token in
+    messages ("admin", "worker", "route"), `flag` the blockd flag that sets it."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, role: str, flag: str) -> None:
         self._token = token.encode("utf-8") if token else None
+        self._role = role
+        self._flag = flag
 
     @property
     def is_enabled(self) -> bool:
@@ -35,11 +42,27 @@ class AdminAuth:
         values = [value for key, value in metadata or () if key.lower() == "authorization"]
         if not values:
             raise MissingCredentials(
-                "admin call without credentials: send metadata 'authorization: Bearer <admin token>'"
+                f"{self._role} call without credentials: send metadata "
+                f"'authorization: Bearer <{self._role} token>' (blockd {self._flag})"
             )
         value = values[0] if isinstance(values[0], str) else values[0].decode("utf-8", "replace")
         scheme, _, presented = value.strip().partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
-            raise MissingCredentials("authorization metadata must be 'Bearer <admin token>'")
+            raise MissingCredentials(f"authorization metadata must be 'Bearer <{self._role} token>'")
         if not hmac.compare_digest(presented.strip().encode("utf-8"), self._token):
-            raise WrongCredentials("the admin token is wrong")
+            raise WrongCredentials(f"the {self._role} token is wrong")
+
+
+def admin_auth(token: str | None) -> BearerAuth:
+    """The admin token's check (operator calls)."""
+    return BearerAuth(token, "admin", "--admin-token")
+
+
+def worker_auth(token: str | None) -> BearerAuth:
+    """The worker token's check (RegisterPool, RenewLease, Step, Resync)."""
+    return BearerAuth(token, "worker", "--worker-token")
+
+
+def route_auth(token: str | None) -> BearerAuth:
+    """The route token's check (Route)."""
+    return BearerAuth(token, "route", "--route-token")

@@ -35,6 +35,10 @@ class DirectoryConfig:
     # Pool records kept (live pools and tombstones of lapsed ones). When full, the
     # tombstone that lapsed first is forgotten; with only live pools, RESOURCE_EXHAUSTED.
     max_pools: int = 1_024
+    # Re-registering a live pool id needs that pool's token (PermissionDenied without
+    # it), so no caller can reset another worker's pool. Off: anyone who reaches the
+    # worker API may reset any pool (the server turns it on with a worker token).
+    require_pool_token: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sequence_tokens <= 16_777_216:
@@ -74,6 +78,10 @@ class BlockdConfig:
 
     listen: str = "127.0.0.1:50051"  # host:port, [v6]:port or unix:PATH
     admin_token: str | None = None  # None: admin calls need no token
+    # None: worker calls need no token and a live pool may be re-registered without
+    # its pool token (an open worker API, for a loopback or private network).
+    worker_token: str | None = None
+    route_token: str | None = None  # None: Route needs no token
     ready_file: Path | None = None
     metrics_port: int | None = None  # None: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"
@@ -88,8 +96,13 @@ class BlockdConfig:
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
             raise ValueError(f"listen must be HOST:PORT or unix:PATH, got {self.listen!r}")
-        if self.admin_token is not None and not self.admin_token.strip():
-            raise ValueError("admin token must not be blank (omit it to disable admin auth)")
+        for name, token in (
+            ("admin", self.admin_token),
+            ("worker", self.worker_token),
+            ("route", self.route_token),
+        ):
+            if token is not None and not token.strip():
+                raise ValueError(f"{name} token must not be blank (omit it to disable {name} auth)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65_535:
             raise ValueError(f"metrics port must be 0 .. 65535, got {self.metrics_port}")
         if self.test_hash_bytes is not None and not 1 <= self.test_hash_bytes <= 16:

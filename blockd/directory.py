@@ -84,15 +84,21 @@ class BlockDirectory:
         namespace: Namespace,
         worker_address: str = "",
         pool_id: PoolId | None = None,
+        pool_token: str | None = None,
     ) -> Registration:
         """Declare a pool. With the id of a known pool, that pool is reset (references,
         sequences and index dropped) under a bumped epoch; an unknown id is created
-        (a worker re-registering after a blockd restart)."""
-        check_registration(num_blocks, block_size, namespace, worker_address, pool_id)
-        slot = self._leases.register(num_blocks, block_size, namespace, worker_address, pool_id)
+        (a worker re-registering after a blockd restart). With `require_pool_token`, a
+        live pool is reset only for the caller presenting its `pool_token`."""
+        check_registration(num_blocks, block_size, namespace, worker_address, pool_id, pool_token)
+        slot = self._leases.register(num_blocks, block_size, namespace, worker_address, pool_id, pool_token)
         config = self.config
         return Registration(
-            slot.pool.pool_id, slot.epoch, config.lease_ttl_seconds, config.max_sequence_tokens
+            slot.pool.pool_id,
+            slot.epoch,
+            config.lease_ttl_seconds,
+            config.max_sequence_tokens,
+            slot.pool_token,
         )
 
     def renew_lease(self, pool_id: PoolId, epoch: int) -> float:

@@ -7,20 +7,26 @@ A slot is a registered pool id with its current pool, lease and epoch. Invariant
 - a slot that is not live (its lease lapsed) holds an empty pool; it stays as a
   tombstone, so its old epoch is answered StaleEpoch rather than NotFound;
 - slots are only ever deleted to stay within `max_pools`: the tombstone that lapsed
-  first goes; with only live slots, a new id is ResourceExhausted.
+  first goes; with only live slots, a new id is ResourceExhausted;
+- a slot's `pool_token` is its owner's secret: with `require_pool_token`, a live
+  slot is re-registered only by a caller presenting it (PermissionDenied otherwise,
+  and nothing changes). A live slot keeps its token; a new, unknown or lapsed one
+  takes the token presented (a worker keeps one credential across blockd restarts)
+  or a fresh random one.
 
 Pure bookkeeping like the rest of the core: time comes from the injected clock.
 """
 
 from __future__ import annotations
 
+import hmac
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from blockd.config import DirectoryConfig
 from blockd.pool import BlockPool, PoolCounters
-from blockd.types import Namespace, NotFound, PoolId, ResourceExhausted, StaleEpoch
+from blockd.types import Namespace, NotFound, PermissionDenied, PoolId, ResourceExhausted, StaleEpoch
 from blockd.validation import check_pool_id_given, shown
 
 PoolFactory = Callable[[PoolId, int, int, Namespace, PoolCounters], BlockPool]
@@ -37,6 +43,7 @@ class PoolSlot:
     epoch: int
     lease_expires_at: float
     is_live: bool
+    pool_token: str = ""
 
 
 class PoolLeases:
@@ -65,20 +72,29 @@ class PoolLeases:
         namespace: Namespace,
         worker_address: str,
         pool_id: PoolId | None,
+        pool_token: str | None = None,
     ) -> PoolSlot:
         """A live slot with an empty pool (arguments validated). A known id is reset
-        (references, sequences and index dropped) under a bumped epoch; an unknown id
-        is created (a worker re-registering after a blockd restart)."""
+        (references, sequences and index dropped) under a bumped epoch, if the caller
+        may (see the module docstring); an unknown id is created (a worker
+        re-registering after a blockd restart)."""
         pool_id = pool_id if pool_id is not None else self._new_pool_id()
+        old = self.slots.get(pool_id)
+        if old is not None and old.is_live and old.lease_expires_at <= self._clock():
+            self._expire(old)  # lapsed: as if the expiry task had run first
+        if old is not None and old.is_live:
+            self._check_owner(old, pool_id, pool_token)
+            token = old.pool_token
+        else:
+            token = pool_token or secrets.token_urlsafe(24)
         if pool_id not in self.slots:
             self._make_room()
-        old = self.slots.get(pool_id)
         if old is not None and old.is_live:
             self._on_reset(pool_id)
         epoch = old.epoch + 1 if old is not None else self._config.initial_epoch
         counters = old.pool.counters if old is not None else PoolCounters()
         pool = self._new_pool(pool_id, num_blocks, block_size, namespace, counters)
-        slot = PoolSlot(pool, namespace, worker_address, epoch, self._lease_end(), True)
+        slot = PoolSlot(pool, namespace, worker_address, epoch, self._lease_end(), True, token)
         self.slots[pool_id] = slot
         return slot
 
@@ -140,6 +156,19 @@ class PoolLeases:
         return [slot for slot in self.selected(pool_id) if slot.is_live]
 
     # ------------------------------------------------------------ private helpers
+
+    def _check_owner(self, slot: PoolSlot, pool_id: PoolId, pool_token: str | None) -> None:
+        if not self._config.require_pool_token:
+            return
+        if pool_token and hmac.compare_digest(pool_token.encode(), slot.pool_token.encode()):
+            return
+        remaining = slot.lease_expires_at - self._clock()
+        raise PermissionDenied(
+            f"pool {shown(pool_id)} is live and belongs to the worker that registered it: to "
+            f"re-register it, pass the pool_token its RegisterPool answered "
+            f"({'a wrong one was given' if pool_token else 'none was given'}); a new worker "
+            f"leaves pool_id empty, or waits for the lease to lapse (in {remaining:.1f} s)"
+        )
 
     def _lease_end(self) -> float:
         return self._clock() + self._config.lease_ttl_seconds

@@ -7,7 +7,7 @@ import contextlib
 import gc
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from blockd.auth import AdminAuth
+from blockd.auth import admin_auth, route_auth, worker_auth
 from blockd.config import BlockdConfig, TlsConfig
 from blockd.directory import BlockDirectory
 from blockd.hashing import DEFAULT_HASHER, truncated_hasher
@@ -28,6 +28,7 @@ log = structlog.get_logger("blockd.server")
 
 SERVICE_NAMES = tuple(service.full_name for service in directory_pb2.DESCRIPTOR.services_by_name.values())
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Step may carry many 128K-token prompts
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
 
 @dataclass
@@ -60,8 +61,17 @@ class BlockdServer:
             metrics=self.metrics_address,
             lease_ttl=self.config.directory.lease_ttl_seconds,
             admin_auth=self.config.admin_token is not None,
+            worker_auth=self.config.worker_token is not None,
+            route_auth=self.config.route_token is not None,
             tls=self.config.tls is not None,
         )
+        if self.config.worker_token is None:
+            local = self.address.startswith("unix:") or self.address.rsplit(":", 1)[0] in _LOOPBACK
+            (log.info if local else log.warning)(
+                "worker API open: no --worker-token, so any caller that reaches this address may "
+                "register, step and reset pools; fine on loopback, set --worker-token beyond it",
+                address=self.address,
+            )
 
     async def stop(self, grace: float | None = None) -> None:
         """Health NOT_SERVING first (balancers stop sending), then let calls finish."""
@@ -100,18 +110,23 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
         hasher = (
             DEFAULT_HASHER if config.test_hash_bytes is None else truncated_hasher(config.test_hash_bytes)
         )
-        directory = BlockDirectory(config.directory, hasher=hasher)
+        directory_config = config.directory
+        if config.worker_token is not None:  # a closed worker API: pools are their owners' too
+            directory_config = replace(directory_config, require_pool_token=True)
+        directory = BlockDirectory(directory_config, hasher=hasher)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    add_service(BlockDirectoryService(directory), server, "BlockDirectoryService")
     add_service(
-        DirectoryAdminService(directory, AdminAuth(config.admin_token)), server, "DirectoryAdminService"
+        BlockDirectoryService(directory, worker_auth(config.worker_token)), server, "BlockDirectoryService"
     )
-    add_service(RoutingService(directory), server, "RoutingService")
+    add_service(
+        DirectoryAdminService(directory, admin_auth(config.admin_token)), server, "DirectoryAdminService"
+    )
+    add_service(RoutingService(directory, route_auth(config.route_token)), server, "RoutingService")
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

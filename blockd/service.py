@@ -19,9 +19,17 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from blockd import messages
-from blockd.auth import AdminAuth, MissingCredentials, WrongCredentials
+from blockd.auth import BearerAuth, MissingCredentials, WrongCredentials
 from blockd.directory import BlockDirectory
-from blockd.types import InvalidArgument, NotFound, PinId, PoolId, ResourceExhausted, StaleEpoch
+from blockd.types import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    PinId,
+    PoolId,
+    ResourceExhausted,
+    StaleEpoch,
+)
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
 
@@ -32,6 +40,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     MissingCredentials: grpc.StatusCode.UNAUTHENTICATED,
     WrongCredentials: grpc.StatusCode.PERMISSION_DENIED,
 }
@@ -112,19 +121,24 @@ def streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncI
 
 
 class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
-    def __init__(self, directory: BlockDirectory) -> None:
+    """Worker calls; each needs the worker token when one is configured."""
+
+    def __init__(self, directory: BlockDirectory, auth: BearerAuth) -> None:
         self._directory = directory
+        self._auth = auth
 
     @unary
     async def RegisterPool(
         self, request: pb.RegisterPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterPoolResponse:
+        self._auth.check(context.invocation_metadata())
         reg = self._directory.register_pool(
             request.num_blocks,
             request.block_size,
             messages.namespace_from(request.namespace),
             request.worker_address,
             PoolId(request.pool_id) or None,
+            request.pool_token or None,
         )
         log.info(
             "pool registered",
@@ -139,17 +153,20 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             epoch=reg.epoch,
             lease_ttl_seconds=reg.lease_ttl_seconds,
             max_sequence_tokens=reg.max_sequence_tokens,
+            pool_token=reg.pool_token,
         )
 
     @unary
     async def RenewLease(
         self, request: pb.RenewLeaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.RenewLeaseResponse:
+        self._auth.check(context.invocation_metadata())
         ttl = self._directory.renew_lease(PoolId(request.pool_id), request.epoch)
         return pb.RenewLeaseResponse(lease_ttl_seconds=ttl)
 
     @unary
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        self._auth.check(context.invocation_metadata())
         commits, releases, grows, admits = messages.step_ops_from(request)
         result = self._directory.step(
             PoolId(request.pool_id), request.epoch, commits, releases, grows, admits
@@ -170,6 +187,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
 
     @unary
     async def Resync(self, request: pb.ResyncRequest, context: grpc.aio.ServicerContext) -> pb.ResyncResponse:
+        self._auth.check(context.invocation_metadata())
         result = self._directory.resync(
             PoolId(request.pool_id), request.epoch, messages.resync_sequences_from(request)
         )
@@ -187,7 +205,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
 class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
     """Operator calls; each needs the admin token when one is configured."""
 
-    def __init__(self, directory: BlockDirectory, auth: AdminAuth) -> None:
+    def __init__(self, directory: BlockDirectory, auth: BearerAuth) -> None:
         self._directory = directory
         self._auth = auth
 
@@ -295,11 +313,15 @@ class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
 
 
 class RoutingService(pb_grpc.RoutingServiceServicer):
-    def __init__(self, directory: BlockDirectory) -> None:
+    """Route; it needs the route token when one is configured."""
+
+    def __init__(self, directory: BlockDirectory, auth: BearerAuth) -> None:
         self._directory = directory
+        self._auth = auth
 
     @unary
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        self._auth.check(context.invocation_metadata())
         route = self._directory.route(request.token_ids, request.cache_salt, request.public_prefix_tokens)
         return pb.RouteResponse(
             pool_id=route.pool_id or "",

@@ -45,6 +45,10 @@ class ResourceExhausted(DirectoryError):
     """The pool cannot hold the request even when empty."""
 
 
+class PermissionDenied(DirectoryError):
+    """The caller may not do this to that pool (it is live and owned by another worker)."""
+
+
 # ---------------------------------------------------------------- inputs
 
 
@@ -104,6 +108,7 @@ class Registration:
     epoch: int
     lease_ttl_seconds: float
     max_sequence_tokens: int
+    pool_token: str = ""  # the pool's secret: proof of ownership when re-registering it
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,12 @@ _POOL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def check_registration(
-    num_blocks: int, block_size: int, namespace: Namespace, worker_address: str, pool_id: PoolId | None
+    num_blocks: int,
+    block_size: int,
+    namespace: Namespace,
+    worker_address: str,
+    pool_id: PoolId | None,
+    pool_token: str | None = None,
 ) -> None:
     if not 1 <= num_blocks <= MAX_POOL_BLOCKS:
         raise InvalidArgument(f"num_blocks must be 1 .. {MAX_POOL_BLOCKS}, got {num_blocks}")
@@ -62,6 +67,7 @@ def check_registration(
         ("namespace.dtype", namespace.dtype),
         ("namespace.adapter_id", namespace.adapter_id),
         ("worker_address", worker_address),
+        ("pool_token", pool_token or ""),
     ):
         if len(value) > MAX_NAME_CHARS:
             raise InvalidArgument(f"{name} is longer than {MAX_NAME_CHARS} characters")

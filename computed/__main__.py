@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from computed.config import DEFAULT_MODEL_DIR, DEVICES, DTYPES, LOG_FORMATS, ComputedConfig
+from computed.config import DEFAULT_MODEL_DIR, DEVICES, DTYPES, LOG_FORMATS, WORKER_TOKEN_ENV, ComputedConfig
 
 
 def _env(name: str, default=None):
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
                    help="client certificate presented to blockd")
     p.add_argument("--blockd-tls-key", default=_env("COMPUTED_BLOCKD_TLS_KEY"),
                    help="client key presented to blockd")
+    p.add_argument("--worker-token", default=_env(WORKER_TOKEN_ENV),
+                   help="blockd's worker token, sent as 'authorization: Bearer <token>' on every call "
+                        "to blockd (blockd --worker-token) [env COMPUTED_WORKER_TOKEN]")
     p.add_argument("--drain-seconds", type=float, default=float(_env("COMPUTED_DRAIN_SECONDS", "30")),
                    help="on SIGTERM, let running requests finish this long [env COMPUTED_DRAIN_SECONDS]")
     a = p.parse_args(argv)
@@ -89,13 +92,17 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             tls_cert=_optional_path(a.tls_cert), tls_key=_optional_path(a.tls_key),
             tls_client_ca=_optional_path(a.tls_client_ca), blockd_tls_ca=_optional_path(a.blockd_tls_ca),
             blockd_tls_cert=_optional_path(a.blockd_tls_cert), blockd_tls_key=_optional_path(a.blockd_tls_key),
-            drain_seconds=a.drain_seconds)
+            worker_token=a.worker_token, drain_seconds=a.drain_seconds)
     except ValueError as exc:
         p.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
+    if config.worker_token is not None:
+        # server.py builds the directory client without a worker token argument; the
+        # client then takes the token from this variable.
+        os.environ[WORKER_TOKEN_ENV] = config.worker_token
     from computed.server import serve  # heavy imports (torch) only after --help
 
     return asyncio.run(serve(config))

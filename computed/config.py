@@ -10,6 +10,8 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("auto", "console", "json")
+# blockd's worker token (--worker-token); the directory client reads it from here too.
+WORKER_TOKEN_ENV = "COMPUTED_WORKER_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class ComputedConfig:
     blockd_tls_ca: Path | None = None
     blockd_tls_cert: Path | None = None
     blockd_tls_key: Path | None = None
+    # Sent as 'authorization: Bearer <token>' on every call to blockd; needed when blockd
+    # runs with --worker-token. None: blockd's worker API is open (loopback).
+    worker_token: str | None = None
     # SIGTERM: stop admitting, let running requests finish this long, cancel the rest.
     drain_seconds: float = 30.0
 
@@ -72,6 +77,8 @@ class ComputedConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if (self.blockd_tls_cert is None) != (self.blockd_tls_key is None):
             raise ValueError("--blockd-tls-cert and --blockd-tls-key go together")
+        if self.worker_token is not None and not self.worker_token.strip():
+            raise ValueError("--worker-token must not be blank (omit it for an open blockd)")
         if self.drain_seconds < 0:
             raise ValueError("--drain-seconds must be >= 0")
         if not (self.model / "config.json").is_file():

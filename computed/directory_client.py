@@ -3,17 +3,22 @@
 Every failure of blockd (down, restarted, lease lapsed, stale epoch) surfaces as
 `DirectoryUnavailable`; the engine then calls `recover()`, which re-registers the
 same pool id (blockd resets it) and re-declares the live sequences with `Resync`.
+Re-registering presents the pool_token blockd answered at the first registration: a
+blockd with a worker token resets a live pool only for its owner. Every call carries
+the worker token, when there is one, as 'authorization: Bearer <token>'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
+from computed.config import WORKER_TOKEN_ENV
 from computed.directory_ops import (
     AdmitOutcome,
     DirectoryOps,
@@ -47,15 +52,18 @@ class PoolLease:
     pool_id: str
     epoch: int
     lease_ttl_seconds: float
+    pool_token: str = ""  # proves to blockd that this worker owns pool_id
 
 
 class DirectoryClient:
     def __init__(self, address: str, spec: PoolSpec,
                  credentials: grpc.ChannelCredentials | None = None,
-                 call_timeout: float = 10.0) -> None:
+                 call_timeout: float = 10.0, worker_token: str | None = None) -> None:
         self.address = address
         self.spec = spec
         self.call_timeout = call_timeout
+        token = worker_token if worker_token is not None else os.environ.get(WORKER_TOKEN_ENV)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
@@ -75,9 +83,10 @@ class DirectoryClient:
             namespace=pb.Namespace(model_id=spec.model_id, model_revision=spec.model_revision,
                                    dtype=spec.dtype),
             worker_address=spec.worker_address,
-            pool_id=self.lease.pool_id if self.lease else "")
+            pool_id=self.lease.pool_id if self.lease else "",
+            pool_token=self.lease.pool_token if self.lease else "")
         reply = await self._call(self._stub.RegisterPool, request)
-        self.lease = PoolLease(reply.pool_id, reply.epoch, reply.lease_ttl_seconds)
+        self.lease = PoolLease(reply.pool_id, reply.epoch, reply.lease_ttl_seconds, reply.pool_token)
         log.info("pool_registered", pool_id=reply.pool_id, epoch=reply.epoch,
                  lease_ttl=reply.lease_ttl_seconds, blockd=self.address)
         return self.lease
@@ -147,7 +156,7 @@ class DirectoryClient:
 
     async def _call(self, method, request):
         try:
-            return await method(request, timeout=self.call_timeout)
+            return await method(request, timeout=self.call_timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
                                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,

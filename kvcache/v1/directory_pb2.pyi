@@ -33,30 +33,34 @@ class Namespace(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id")
+    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     namespace: Namespace
     worker_address: str
     pool_id: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ...) -> None: ...
+    pool_token: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ..., pool_token: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens")
+    __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens", "pool_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     lease_ttl_seconds: float
     max_sequence_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., max_sequence_tokens: _Optional[int] = ...) -> None: ...
+    pool_token: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., max_sequence_tokens: _Optional[int] = ..., pool_token: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("pool_id", "epoch")

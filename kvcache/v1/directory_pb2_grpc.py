@@ -31,6 +31,12 @@ class BlockDirectoryServiceStub:
     Worker-facing RPCs. Every call after RegisterPool carries (pool_id, epoch); a stale
     epoch is refused with FAILED_PRECONDITION and changes nothing; an unknown pool is
     NOT_FOUND (the worker then registers again and calls Resync).
+
+    When blockd runs with a worker token (--worker-token), each call needs metadata
+    "authorization: Bearer <worker token>": missing is UNAUTHENTICATED, wrong is
+    PERMISSION_DENIED; and re-registering a live pool_id needs that pool's pool_token
+    (PERMISSION_DENIED otherwise, and the pool is left as it was). Without a worker
+    token the worker API is open, for a blockd reachable only by its own workers.
     """
 
     def __init__(self, channel):
@@ -67,6 +73,12 @@ class BlockDirectoryServiceServicer:
     Worker-facing RPCs. Every call after RegisterPool carries (pool_id, epoch); a stale
     epoch is refused with FAILED_PRECONDITION and changes nothing; an unknown pool is
     NOT_FOUND (the worker then registers again and calls Resync).
+
+    When blockd runs with a worker token (--worker-token), each call needs metadata
+    "authorization: Bearer <worker token>": missing is UNAUTHENTICATED, wrong is
+    PERMISSION_DENIED; and re-registering a live pool_id needs that pool's pool_token
+    (PERMISSION_DENIED otherwise, and the pool is left as it was). Without a worker
+    token the worker API is open, for a blockd reachable only by its own workers.
     """
 
     def RegisterPool(self, request, context):
@@ -134,6 +146,12 @@ class BlockDirectoryService:
     Worker-facing RPCs. Every call after RegisterPool carries (pool_id, epoch); a stale
     epoch is refused with FAILED_PRECONDITION and changes nothing; an unknown pool is
     NOT_FOUND (the worker then registers again and calls Resync).
+
+    When blockd runs with a worker token (--worker-token), each call needs metadata
+    "authorization: Bearer <worker token>": missing is UNAUTHENTICATED, wrong is
+    PERMISSION_DENIED; and re-registering a live pool_id needs that pool's pool_token
+    (PERMISSION_DENIED otherwise, and the pool is left as it was). Without a worker
+    token the worker API is open, for a blockd reachable only by its own workers.
     """
 
     @staticmethod
@@ -640,7 +658,10 @@ class DirectoryAdminService:
 class RoutingServiceStub:
     """---------------------------------------------------------------- routing
 
-    Cache-aware routing for clients and gateways (no admin token needed).
+    Cache-aware routing for clients and gateways (no admin token needed). When blockd
+    runs with a route token (--route-token), each call needs metadata
+    "authorization: Bearer <route token>": missing is UNAUTHENTICATED, wrong is
+    PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -659,7 +680,10 @@ class RoutingServiceStub:
 class RoutingServiceServicer:
     """---------------------------------------------------------------- routing
 
-    Cache-aware routing for clients and gateways (no admin token needed).
+    Cache-aware routing for clients and gateways (no admin token needed). When blockd
+    runs with a route token (--route-token), each call needs metadata
+    "authorization: Bearer <route token>": missing is UNAUTHENTICATED, wrong is
+    PERMISSION_DENIED.
     """
 
     def Route(self, request, context):
@@ -688,7 +712,10 @@ def add_RoutingServiceServicer_to_server(servicer, server):
 class RoutingService:
     """---------------------------------------------------------------- routing
 
-    Cache-aware routing for clients and gateways (no admin token needed).
+    Cache-aware routing for clients and gateways (no admin token needed). When blockd
+    runs with a route token (--route-token), each call needs metadata
+    "authorization: Bearer <route token>": missing is UNAUTHENTICATED, wrong is
+    PERMISSION_DENIED.
     """
 
     @staticmethod
