@@ -212,7 +212,7 @@ class BlockPool:
         matching = [b for b in self.index.values() if salt is None or b.chain_salt == salt]
         dropped = [b for b in matching if b.ref_count == 0]
         for block in dropped:
-            leaf = self._uncache(block)
+            _, leaf = self._drop_chain(block, 1, None)
             if leaf is not None:
                 self.leaves.push(leaf)
         self.num_evictable -= len(dropped)
@@ -362,27 +362,16 @@ class BlockPool:
         return block_ids
 
     def _evict(self, num: int) -> list[BlockId]:
-        """`num` evictable leaves, in the policy's order. Evicting a leaf can make its
-        parent a leaf; when that parent would be the heap's next answer anyway (LRU: a
-        chain shares one tick), it is evicted at once instead of going through the heap,
-        so a chain goes tail first for one heap pop (bench.blockd_grpc: an admission
-        there evicts a 128-block chain)."""
+        """`num` evictable leaves, in the policy's order, each chain tail first."""
         leaves = self.leaves
-        priority = leaves.priority
         evicted: list[Block] = []
         while len(evicted) < num:
             block = leaves.pop()
             assert block is not None, "evictable count promised a leaf"
-            bar = leaves.first_priority()  # the heap is left alone until this chain stops
-            while block is not None:
-                evicted.append(block)
-                leaf = self._uncache(block)
-                block = None
-                if leaf is not None:
-                    if len(evicted) < num and (bar is None or priority(leaf) < bar):
-                        block = leaf  # pop() would answer it next: a pushed block loses ties
-                    else:
-                        leaves.push(leaf)
+            dropped, leaf = self._drop_chain(block, num - len(evicted), leaves.first_priority())
+            evicted += dropped
+            if leaf is not None:
+                leaves.push(leaf)
         self.num_evictable -= num
         self.counters.num_evictions += num
         block_ids = [block.block_id for block in evicted]
@@ -391,22 +380,35 @@ class BlockPool:
         )
         return block_ids
 
-    def _uncache(self, block: Block) -> Block | None:
-        """Drop an unreferenced cached block's index entry and record; answers its parent
-        when that became an evictable leaf (the caller decides whether to push it)."""
-        assert self.index.get(block.block_hash) is block, f"{block} is not indexed"
-        del self.index[block.block_hash]
-        del self.blocks[block.block_id]
-        block.is_cached = False
-        block.heap_key = None
-        parent = block.parent
-        if parent is None:
-            return None
-        parent.num_cached_children -= 1
-        # `is_evictable_leaf`, inlined: this runs once per evicted block
-        if parent.is_cached and not parent.ref_count and not parent.num_cached_children:
-            return parent
-        return None
+    def _drop_chain(
+        self, block: Block, limit: int, bar: tuple[int, ...] | None
+    ) -> tuple[list[Block], Block | None]:
+        """Drop an unreferenced cached block's index entry and record, then its parent
+        while that is left an evictable leaf that the heap would answer next anyway (its
+        priority is below `bar`, the heap's first; None: an empty heap), up to `limit`
+        blocks. Answers the dropped blocks and the evictable leaf left behind, if any,
+        for the caller to push. Under LRU a released chain shares one tick, so eviction
+        takes a whole chain for one heap pop (bench.blockd_grpc: an admission there
+        evicts a 128-block chain); a flush drops one block at a time (limit 1)."""
+        index, records, priority = self.index, self.blocks, self.leaves.priority
+        dropped: list[Block] = []
+        while True:
+            assert index.get(block.block_hash) is block, f"{block} is not indexed"
+            del index[block.block_hash]
+            del records[block.block_id]
+            block.is_cached = False
+            block.heap_key = None
+            dropped.append(block)
+            parent = block.parent
+            if parent is None:
+                return dropped, None
+            parent.num_cached_children -= 1
+            # `is_evictable_leaf`, inlined: this runs once per evicted block
+            if not parent.is_cached or parent.ref_count or parent.num_cached_children:
+                return dropped, None
+            if len(dropped) == limit or (bar is not None and not priority(parent) < bar):
+                return dropped, parent  # a pushed block loses ties, so only "below" is sure
+            block = parent
 
     def _unreferenced(self, block: Block, tick: int) -> None:
         """A block's last reference is gone: cached ones become evictable, the others
