@@ -9,21 +9,26 @@
 Every call has a deadline (ClientOptions.timeout, or generate_timeout for a whole
 Generate stream) that also bounds its retries; UNAVAILABLE is retried with
 exponential backoff and jitter (RetryPolicy). Failures raise KVCacheError.
+
+What each call sends and how its answer is read lives in `clients.core`, shared with
+`clients.aio_client`; the routing state in `clients.routing.Router`. This module only
+makes the calls; tests/clients/test_parity.py keeps both clients' methods in step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from clients import core
 from clients.errors import KVCacheError
-from clients.options import NO_RETRY, ClientOptions, RetryPolicy, open_channel
+from clients.options import ClientOptions, open_channel
 from clients.requests import MessageLike, Prompt, SamplingParams
-from clients.routing import RoundRobin, choose_routed, validate_mode
+from clients.routing import Router, Tokenized
 from clients.types import (
     BlockEvent,
     BlockInfo,
@@ -37,19 +42,19 @@ from clients.types import (
     Route,
     Stats,
 )
-from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 if TYPE_CHECKING:
     from typing import Self
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_BLOCKD = "127.0.0.1:50051"
 DEFAULT_COMPUTED = "127.0.0.1:50052"
 
 
 class _Endpoint:
-    """One daemon's channel and the retrying call helpers.
+    """One daemon's channel; makes a `core.Call`, retrying it under one deadline.
 
     A call's deadline covers all of its attempts: each attempt gets what is left,
     and a backoff never sleeps past the deadline.
@@ -60,53 +65,45 @@ class _Endpoint:
         self.address = address
         self.options = options
         self.channel = open_channel(address, options.tls)
+        self._stubs = core.stubs(service, self.channel)
 
-    def unary(self, method: Callable, request: Any, *, timeout: float | None = None,
-              metadata: Sequence[tuple[str, str]] = (), retry: RetryPolicy | None = None) -> Any:
-        retry = retry or self.options.retry
-        deadline = time.monotonic() + (timeout or self.options.timeout)
+    def call(self, call: core.Call[T]) -> T:
+        method = getattr(self._stubs[call.stub], call.method)
+        retry = call.retry or self.options.retry
+        deadline = core.deadline(call, self.options)
+        metadata = core.metadata(call, self.options)
         attempt = 0
         while True:
             try:
-                return method(request, timeout=max(0.001, deadline - time.monotonic()),
-                              metadata=tuple(metadata))
+                reply = method(call.request, timeout=core.remaining(deadline), metadata=metadata)
             except grpc.RpcError as error:
-                self._backoff_or_raise(error, attempt, deadline, retry)
+                time.sleep(core.retry_pause(self.service, self.address, error, attempt, deadline, retry))
                 attempt += 1
+                continue
+            return call.parse(reply)
 
-    def stream(self, method: Callable, request: Any, *, timeout: float | None,
-               metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Any]:
-        """Messages of a server stream. Retried only before the first message arrived."""
-        deadline = time.monotonic() + timeout if timeout is not None else None
+    def stream(self, call: core.Call[T]) -> Iterator[T]:
+        """Parsed messages of a server stream. Retried only before the first message arrived."""
+        method = getattr(self._stubs[call.stub], call.method)
+        deadline = core.deadline(call, self.options, is_stream=True)
+        metadata = core.metadata(call, self.options)
         attempt = 0
         while True:
-            remaining = max(0.001, deadline - time.monotonic()) if deadline is not None else None
-            call = method(request, timeout=remaining, metadata=tuple(metadata))
+            rpc = method(call.request, timeout=core.remaining(deadline), metadata=metadata)
             received = False
             try:
-                for message in call:
+                for message in rpc:
                     received = True
-                    yield message
+                    yield call.parse(message)
                 return
             except grpc.RpcError as error:
                 if received:
                     raise KVCacheError.from_rpc_error(self.service, self.address, error) from None
-                self._backoff_or_raise(error, attempt, deadline, self.options.retry)
+                pause = core.retry_pause(self.service, self.address, error, attempt, deadline, self.options.retry)
+                time.sleep(pause)
                 attempt += 1
             finally:
-                call.cancel()  # no-op when finished; stops server work when the reader quits
-
-    def _backoff_or_raise(self, error: grpc.RpcError, attempt: int, deadline: float | None,
-                          retry: RetryPolicy) -> None:
-        code = error.code() if hasattr(error, "code") else None
-        if retry.should_retry(code, attempt):
-            pause = retry.backoff(attempt)
-            if deadline is None or time.monotonic() + pause < deadline:
-                log.debug("%s at %s: %s, retry %d in %.2fs", self.service, self.address, code,
-                          attempt + 1, pause)
-                time.sleep(pause)
-                return
-        raise KVCacheError.from_rpc_error(self.service, self.address, error) from None
+                rpc.cancel()  # no-op when finished; stops server work when the reader quits
 
     def close(self) -> None:
         self.channel.close()
@@ -143,35 +140,25 @@ class BlockdClient:
     def __init__(self, address: str = DEFAULT_BLOCKD, options: ClientOptions | None = None) -> None:
         self.options = options or ClientOptions()
         self._endpoint = _Endpoint("blockd", address, self.options)
-        self._admin = directory_pb2_grpc.DirectoryAdminServiceStub(self._endpoint.channel)
-        self._routing = directory_pb2_grpc.RoutingServiceStub(self._endpoint.channel)
 
     @property
     def address(self) -> str:
         return self._endpoint.address
 
-    def _admin_call(self, method: Callable, request: Any, timeout: float | None) -> Any:
-        return self._endpoint.unary(method, request, timeout=timeout, metadata=self.options.admin_metadata())
-
     def get_stats(self, pool_id: str | None = None, *, timeout: float | None = None) -> Stats:
-        reply = self._admin_call(self._admin.GetStats, directory_pb2.GetStatsRequest(pool_id=pool_id or ""),
-                                 timeout)
-        return Stats.from_proto(reply)
+        return self._endpoint.call(core.get_stats(pool_id, timeout))
 
     def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
-        reply = self._admin_call(self._admin.ListPools, directory_pb2.ListPoolsRequest(), timeout)
-        return [PoolInfo.from_proto(p) for p in reply.pools]
+        return self._endpoint.call(core.list_pools(timeout))
 
     def iter_blocks(self, pool_id: str | None = None, *, page_size: int = 1000,
                     timeout: float | None = None) -> Iterator[BlockInfo]:
         """Every cached block, ordered by (pool_id, block_id), fetched page by page."""
         token = ""
         while True:
-            request = directory_pb2.ListBlocksRequest(pool_id=pool_id or "", page_size=page_size,
-                                                      page_token=token)
-            reply = self._admin_call(self._admin.ListBlocks, request, timeout)
-            yield from (BlockInfo.from_proto(b) for b in reply.blocks)
-            token = reply.next_page_token
+            page = self._endpoint.call(core.list_blocks_page(pool_id, page_size, token, timeout))
+            yield from page.blocks
+            token = page.next_page_token
             if not token:
                 return
 
@@ -180,47 +167,30 @@ class BlockdClient:
 
     def lookup(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
                pool_id: str | None = None, timeout: float | None = None) -> list[PoolMatch]:
-        request = directory_pb2.LookupRequest(token_ids=list(token_ids), cache_salt=cache_salt,
-                                              public_prefix_tokens=public_prefix_tokens, pool_id=pool_id or "")
-        reply = self._admin_call(self._admin.Lookup, request, timeout)
-        return [PoolMatch.from_proto(m) for m in reply.matches]
+        return self._endpoint.call(core.lookup(token_ids, cache_salt, public_prefix_tokens, pool_id, timeout))
 
     def flush(self, *, pool_id: str | None = None, cache_salt: str | None = None,
               timeout: float | None = None) -> FlushResult:
-        request = directory_pb2.FlushRequest(pool_id=pool_id or "", cache_salt=cache_salt or "")
-        reply = self._admin_call(self._admin.Flush, request, timeout)
-        return FlushResult(dropped=reply.dropped, busy=reply.busy)
+        return self._endpoint.call(core.flush(pool_id, cache_salt, timeout))
 
     def pin(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
             ttl_seconds: float | None = None, pool_id: str | None = None,
             timeout: float | None = None) -> PinResult:
-        request = directory_pb2.PinRequest(token_ids=list(token_ids), cache_salt=cache_salt,
-                                           public_prefix_tokens=public_prefix_tokens,
-                                           ttl_seconds=ttl_seconds or 0.0, pool_id=pool_id or "")
-        reply = self._admin_call(self._admin.Pin, request, timeout)
-        return PinResult(reply.pin_id, reply.num_pinned_tokens, reply.num_pinned_blocks,
-                         reply.expires_in_seconds)
+        return self._endpoint.call(core.pin(token_ids, cache_salt, public_prefix_tokens, ttl_seconds, pool_id,
+                                            timeout))
 
     def unpin(self, pin_id: str, *, timeout: float | None = None) -> int:
         """Returns the number of blocks unpinned."""
-        reply = self._admin_call(self._admin.Unpin, directory_pb2.UnpinRequest(pin_id=pin_id), timeout)
-        return reply.num_unpinned_blocks
+        return self._endpoint.call(core.unpin(pin_id, timeout))
 
     def watch_events(self, after_sequence: int = 0, *, pool_id: str | None = None,
                      timeout: float | None = None) -> Iterator[BlockEvent]:
         """Block events as they happen. timeout None: watch until the caller stops reading."""
-        request = directory_pb2.WatchEventsRequest(after_sequence=after_sequence, pool_id=pool_id or "")
-        for reply in self._endpoint.stream(self._admin.WatchEvents, request, timeout=timeout,
-                                           metadata=self.options.admin_metadata()):
-            yield BlockEvent.from_proto(reply)
+        yield from self._endpoint.stream(core.watch_events(after_sequence, pool_id, timeout))
 
     def route(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
               timeout: float | None = None, retry: bool = True) -> Route:
-        request = directory_pb2.RouteRequest(token_ids=list(token_ids), cache_salt=cache_salt,
-                                             public_prefix_tokens=public_prefix_tokens)
-        reply = self._endpoint.unary(self._routing.Route, request, timeout=timeout,
-                                     retry=None if retry else NO_RETRY)
-        return Route.from_proto(reply)
+        return self._endpoint.call(core.route(token_ids, cache_salt, public_prefix_tokens, timeout, retry))
 
     def close(self) -> None:
         self._endpoint.close()
@@ -238,7 +208,6 @@ class ComputedClient:
     def __init__(self, address: str = DEFAULT_COMPUTED, options: ClientOptions | None = None) -> None:
         self.options = options or ClientOptions()
         self._endpoint = _Endpoint("computed", address, self.options)
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._endpoint.channel)
 
     @property
     def address(self) -> str:
@@ -258,34 +227,24 @@ class ComputedClient:
 
     def generate_prompt(self, prompt: Prompt, params: SamplingParams,
                         timeout: float | None = None) -> GenerateStream:
-        messages = self._endpoint.stream(self._stub.Generate, prompt.to_request(params),
-                                         timeout=timeout or self.options.generate_timeout)
-        return GenerateStream(self.address, (GenerateChunk.from_proto(m) for m in messages))
+        chunks = self._endpoint.stream(core.generate(prompt, params, timeout, self.options))
+        return GenerateStream(self.address, chunks)
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[MessageLike] | None = None,
                  add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
-        if messages is not None:
-            prompt = Prompt.of(messages=messages)
-            request = prompt.to_tokenize_request()
-        else:
-            request = generation_pb2.TokenizeRequest(text=text or "", add_special_tokens=add_special_tokens)
-        return list(self._endpoint.unary(self._stub.Tokenize, request, timeout=timeout).token_ids)
+        return self._endpoint.call(core.tokenize(text, messages, add_special_tokens, timeout))
 
     def tokenize_prompt(self, prompt: Prompt, timeout: float | None = None) -> list[int]:
         """The token ids Generate will see for this prompt."""
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
-        reply = self._endpoint.unary(self._stub.Tokenize, prompt.to_tokenize_request(), timeout=timeout)
-        return list(reply.token_ids)
+        return self._endpoint.call(core.tokenize_prompt(prompt, timeout))
 
     def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> str:
-        request = generation_pb2.DetokenizeRequest(token_ids=list(token_ids))
-        return self._endpoint.unary(self._stub.Detokenize, request, timeout=timeout).text
+        return self._endpoint.call(core.detokenize(token_ids, timeout))
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        reply = self._endpoint.unary(self._stub.GetModelInfo, generation_pb2.GetModelInfoRequest(),
-                                     timeout=timeout)
-        return ModelInfo.from_proto(reply)
+        return self._endpoint.call(core.model_info(timeout))
 
     def close(self) -> None:
         self._endpoint.close()
@@ -301,48 +260,43 @@ class KVCacheClient:
     """blockd plus one or more computed workers, with Generate routed among the workers.
 
     routing "cache-aware": tokenize on a worker, ask blockd's Route which known worker
-    holds the longest cached prefix, send Generate there; round robin when blockd
-    cannot answer or ranks no known worker. "round-robin": never ask blockd.
-    A worker that is unreachable before its first token is skipped for the next one.
+    holds the longest cached prefix, send Generate there with those token ids (so the
+    worker does not tokenize again; only to workers that serve the same model as the
+    one that tokenized); round robin when blockd cannot answer or ranks no known worker.
+    "round-robin": never ask blockd. A worker that is unreachable before its first
+    token is skipped for the next one.
     """
 
     def __init__(self, blockd: str = DEFAULT_BLOCKD, computed: Sequence[str] | str = (DEFAULT_COMPUTED,),
                  *, routing: str = "cache-aware", options: ClientOptions | None = None,
                  route_timeout: float = 2.0) -> None:
         self.options = options or ClientOptions()
-        addresses = [computed] if isinstance(computed, str) else list(computed)
-        self.routing = validate_mode(routing)
+        self._router = Router(routing, [computed] if isinstance(computed, str) else list(computed))
+        self.routing = self._router.mode
         self.route_timeout = route_timeout
         self.blockd = BlockdClient(blockd, self.options)
-        self._round_robin = RoundRobin(addresses)
-        self._workers = {a: ComputedClient(a, self.options) for a in self._round_robin.addresses}
-        self.num_routed = 0  # requests placed by blockd's Route
-        self.num_round_robin = 0  # requests placed by round robin (mode, or fallback)
+        self._workers = {a: ComputedClient(a, self.options) for a in self._router.addresses}
+
+    @property
+    def num_routed(self) -> int:
+        """Requests placed by blockd's Route."""
+        return self._router.num_routed
+
+    @property
+    def num_round_robin(self) -> int:
+        """Requests placed by round robin (the mode, or the fallback)."""
+        return self._router.num_round_robin
 
     @property
     def computed_addresses(self) -> tuple[str, ...]:
-        return self._round_robin.addresses
+        return self._router.addresses
 
     def computed(self, address: str | None = None) -> ComputedClient:
         """The client of one worker (the first one by default)."""
         return self._workers[address or self.computed_addresses[0]]
 
     def pick_worker(self, prompt: Prompt) -> str:
-        if self.routing == "cache-aware" and len(self._workers) > 1:
-            try:
-                token_ids = self.tokenize_prompt(prompt)
-                route = self.blockd.route(token_ids, cache_salt=prompt.cache_salt,
-                                          public_prefix_tokens=prompt.public_prefix_tokens,
-                                          timeout=self.route_timeout, retry=False)
-            except KVCacheError as error:
-                log.debug("routing falls back to round robin: %s", error)
-            else:
-                chosen = choose_routed(route, self.computed_addresses)
-                if chosen is not None:
-                    self.num_routed += 1
-                    return chosen
-        self.num_round_robin += 1
-        return self._round_robin.next()
+        return self._route(prompt)[0]
 
     def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
                  messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
@@ -355,47 +309,17 @@ class KVCacheClient:
     def generate_prompt(self, prompt: Prompt, params: SamplingParams,
                         timeout: float | None = None) -> GenerateStream:
         """Routes now; a worker unreachable before its first token is replaced by the next one."""
-        first = self.pick_worker(prompt)
+        first, tokenized = self._route(prompt)
         stream = GenerateStream(first, iter(()))
-        stream._chunks = self._failover(prompt, params, timeout, first, stream)
+        stream._chunks = self._failover(prompt, tokenized, params, timeout, first, stream)
         return stream
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return self.generate(prompt, **kwargs).completion()
 
-    def _failover(self, prompt: Prompt, params: SamplingParams, timeout: float | None, first: str,
-                  stream: GenerateStream) -> Iterator[GenerateChunk]:
-        order = [first] + [a for a in self.computed_addresses if a != first]
-        for i, address in enumerate(order):
-            stream.worker_address = address
-            inner = self._workers[address].generate_prompt(prompt, params, timeout)
-            try:
-                head = next(inner)
-            except StopIteration:
-                return
-            except KVCacheError as error:
-                if error.code is grpc.StatusCode.UNAVAILABLE and i + 1 < len(order):
-                    log.debug("%s; trying %s", error, order[i + 1])
-                    continue
-                raise
-            yield head
-            yield from inner
-            return
-
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, from the first computed that answers."""
-        if prompt.token_ids is not None:
-            return list(prompt.token_ids)
-        last: KVCacheError | None = None
-        for address in self.computed_addresses:
-            try:
-                return self._workers[address].tokenize_prompt(prompt, timeout=self.route_timeout)
-            except KVCacheError as error:
-                if not error.is_unreachable:
-                    raise
-                last = error
-        assert last is not None
-        raise last
+        return list(self._tokenize(prompt).token_ids)
 
     def close(self) -> None:
         self.blockd.close()
@@ -408,3 +332,63 @@ class KVCacheClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------ routing
+
+    def _route(self, prompt: Prompt) -> tuple[str, Tokenized | None]:
+        """The worker for `prompt` and, when it was tokenized to ask blockd, its token ids."""
+        if not self._router.asks_blockd:
+            return self._router.place(None), None
+        try:
+            tokenized = self._tokenize(prompt)
+            route = self.blockd.route(tokenized.token_ids, cache_salt=prompt.cache_salt,
+                                      public_prefix_tokens=prompt.public_prefix_tokens,
+                                      timeout=self.route_timeout, retry=False)
+        except KVCacheError as error:
+            log.debug("routing falls back to round robin: %s", error)
+            return self._router.place(None), None
+        return self._router.place(route), tokenized if tokenized.worker_address else None
+
+    def _tokenize(self, prompt: Prompt) -> Tokenized:
+        """Token ids given with the prompt have no worker_address ("")."""
+        if prompt.token_ids is not None:
+            return Tokenized("", prompt.token_ids)
+        last: KVCacheError | None = None
+        for address in self.computed_addresses:
+            try:
+                token_ids = self._workers[address].tokenize_prompt(prompt, timeout=self.route_timeout)
+            except KVCacheError as error:
+                if not error.is_unreachable:
+                    raise
+                last = error
+            else:
+                return Tokenized(address, tuple(token_ids))
+        assert last is not None
+        raise last
+
+    def _prompt_for(self, prompt: Prompt, tokenized: Tokenized | None, address: str) -> Prompt:
+        for unknown in self._router.unknown_identities(tokenized, address):
+            try:
+                self._router.learn(unknown, self._workers[unknown].model_info(timeout=self.route_timeout))
+            except KVCacheError as error:  # unknown stays unknown: the prompt goes as given
+                log.debug("no model info from %s: %s", unknown, error)
+        return self._router.prompt_for(prompt, tokenized, address)
+
+    def _failover(self, prompt: Prompt, tokenized: Tokenized | None, params: SamplingParams,
+                  timeout: float | None, first: str, stream: GenerateStream) -> Iterator[GenerateChunk]:
+        order = self._router.failover_order(first)
+        for i, address in enumerate(order):
+            stream.worker_address = address
+            worker_prompt = self._prompt_for(prompt, tokenized, address)
+            inner = self._workers[address].generate_prompt(worker_prompt, params, timeout)
+            try:
+                head = next(inner)
+            except StopIteration:
+                return
+            except KVCacheError as error:
+                if error.code is grpc.StatusCode.UNAVAILABLE and i + 1 < len(order):
+                    log.debug("%s; trying %s", error, order[i + 1])
+                    continue
+                raise
+            yield head
+            yield from inner
+            return

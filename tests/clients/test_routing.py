@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from clients.aio_client import AsyncKVCacheClient
-from clients.client import KVCacheClient
+from clients.aio_client import AsyncComputedClient, AsyncKVCacheClient
+from clients.client import ComputedClient, KVCacheClient
 from clients.options import ClientOptions, RetryPolicy
+from clients.requests import Prompt
 from tests.clients.conftest import dead_address, model_args, unique_prompt
 from tests.daemons import start_blockd, start_computed
 
@@ -75,3 +76,47 @@ async def test_async_client_routes_too(two_workers) -> None:
         repeat = await client.complete(prompt, max_tokens=2)
         assert repeat.worker_address == first.worker_address and repeat.usage.cached_tokens > 0
         assert client.num_routed == 2
+
+
+def _spy_prompts(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[Prompt]:
+    """Every Prompt that `cls.generate_prompt` sends, in order."""
+    sent: list[Prompt] = []
+    original = cls.generate_prompt
+
+    def spy(self, prompt: Prompt, params, timeout=None):
+        sent.append(prompt)
+        return original(self, prompt, params, timeout)
+
+    monkeypatch.setattr(cls, "generate_prompt", spy)
+    return sent
+
+
+def test_a_routed_request_sends_its_token_ids_and_answers_as_text_would(two_workers, monkeypatch) -> None:
+    blockd, workers = two_workers
+    sent = _spy_prompts(monkeypatch, ComputedClient)
+    text = unique_prompt("routed ids")
+    chat = [("system", unique_prompt("routed chat")), ("user", "Why?")]
+    with KVCacheClient(blockd, workers, options=FAST_FAIL) as client:
+        routed = [client.complete(text, max_tokens=4, cache_salt="routed"),
+                  client.complete(messages=chat, max_tokens=4, cache_salt="routed")]
+        assert client.num_routed == 2
+        assert [(p.text, p.messages) for p in sent] == [(None, None)] * 2 and all(p.token_ids for p in sent)
+        sent.clear()
+        direct = [client.computed(routed[0].worker_address).complete(text, max_tokens=4, cache_salt="direct"),
+                  client.computed(routed[1].worker_address).complete(messages=chat, max_tokens=4,
+                                                                     cache_salt="direct")]
+        assert sent[0].text == text and sent[1].messages is not None  # a plain worker call is unchanged
+    for a, b in zip(routed, direct):
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+        assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+async def test_the_async_client_sends_routed_token_ids_too(two_workers, monkeypatch) -> None:
+    blockd, workers = two_workers
+    sent = _spy_prompts(monkeypatch, AsyncComputedClient)
+    text = unique_prompt("async routed ids")
+    async with AsyncKVCacheClient(blockd, workers, options=FAST_FAIL) as client:
+        routed = await client.complete(text, max_tokens=4, cache_salt="routed")
+        direct = await client.computed(routed.worker_address).complete(text, max_tokens=4, cache_salt="direct")
+    assert sent[0].text is None and sent[0].token_ids and sent[1].text == text
+    assert (routed.text, routed.usage.prompt_tokens) == (direct.text, direct.usage.prompt_tokens)
