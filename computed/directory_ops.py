@@ -1,7 +1,8 @@
-"""Plain values exchanged between the scheduler and the directory client.
+"""Plain values exchanged between the scheduler and the directory (named as in the contract).
 
-The scheduler speaks only these types; the directory client turns them into one
-batched `Step` RPC per engine iteration and back. No gRPC here.
+The scheduler speaks only these types; a `Directory` (computed/directory.py) turns
+them into one batched `Step` per engine iteration and back. Each type mirrors the
+message of the same name in proto/kvcache/v1/directory.proto. No gRPC here.
 """
 
 from __future__ import annotations
@@ -12,36 +13,53 @@ from computed.sequence import BlockId, SequenceId
 
 
 @dataclass(frozen=True)
-class Admit:
-    seq_id: SequenceId
+class AdmitOp:
+    sequence_id: SequenceId
     token_ids: list[int]
     cache_salt: str
     public_prefix_tokens: int
 
+    @property
+    def seq_id(self) -> SequenceId:
+        """Old name, kept while computed/directory_client.py still reads it."""
+        return self.sequence_id
+
 
 @dataclass(frozen=True)
-class Grow:
-    seq_id: SequenceId
+class GrowOp:
+    sequence_id: SequenceId
     num_tokens: int
-    # True when this step cannot run the sequence without the new block.
+    # True when this step cannot run the sequence without the new block (not sent to blockd).
     is_urgent: bool
 
+    @property
+    def seq_id(self) -> SequenceId:
+        """Old name, kept while computed/directory_client.py still reads it."""
+        return self.sequence_id
+
 
 @dataclass(frozen=True)
-class Commit:
-    seq_id: SequenceId
+class CommitOp:
+    sequence_id: SequenceId
     block_ids: list[BlockId]
     token_ids: list[int]
+
+    @property
+    def seq_id(self) -> SequenceId:
+        """Old name, kept while computed/directory_client.py still reads it."""
+        return self.sequence_id
 
 
 @dataclass
 class DirectoryOps:
-    """Everything one engine iteration asks of blockd, applied there in this order."""
+    """Everything one engine iteration asks of blockd, applied there in this order.
 
-    commits: list[Commit] = field(default_factory=list)
+    `releases` are sequence ids (a `ReleaseOp` carries nothing else)."""
+
+    commits: list[CommitOp] = field(default_factory=list)
     releases: list[SequenceId] = field(default_factory=list)
-    grows: list[Grow] = field(default_factory=list)
-    admits: list[Admit] = field(default_factory=list)
+    grows: list[GrowOp] = field(default_factory=list)
+    admits: list[AdmitOp] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -54,34 +72,47 @@ class DirectoryOps:
 
 
 @dataclass(frozen=True)
-class AdmitOutcome:
-    seq_id: SequenceId
+class AdmitResult:
+    sequence_id: SequenceId
     admitted: bool
     block_ids: list[BlockId]
     num_cached_tokens: int
 
 
 @dataclass(frozen=True)
-class GrowOutcome:
-    seq_id: SequenceId
+class GrowResult:
+    sequence_id: SequenceId
     grown: bool
     new_block_ids: list[BlockId]
 
 
 @dataclass
 class DirectoryResult:
-    grows: list[GrowOutcome] = field(default_factory=list)
-    admits: list[AdmitOutcome] = field(default_factory=list)
+    """blockd's answer to one `DirectoryOps` (a `StepResponse`)."""
+
+    grows: list[GrowResult] = field(default_factory=list)
+    admits: list[AdmitResult] = field(default_factory=list)
     num_free_blocks: int | None = None
     num_evictable_blocks: int | None = None
 
 
 @dataclass(frozen=True)
-class LiveSequence:
+class ResyncSequence:
     """What a worker re-declares after blockd restarted (see `Resync`)."""
 
-    seq_id: SequenceId
+    sequence_id: SequenceId
     block_ids: list[BlockId]
     token_ids: list[int]  # every token whose K/V is written into block_ids
     cache_salt: str
     public_prefix_tokens: int
+
+    @property
+    def seq_id(self) -> SequenceId:
+        """Old name, kept while computed/directory_client.py still reads it."""
+        return self.sequence_id
+
+
+# Old names, kept while computed/directory_client.py (not renamed yet) imports them.
+AdmitOutcome = AdmitResult
+GrowOutcome = GrowResult
+LiveSequence = ResyncSequence

@@ -1,9 +1,10 @@
-"""The step loop: scheduler + directory client + model runner, streaming to requests.
+"""The step loop: scheduler + directory + model runner, streaming to requests.
 
 The loop runs as an asyncio task; the forward pass runs in one worker thread so the
 event loop keeps serving RPCs. Each iteration sends exactly one batched `Step` to
 blockd. Only admissions (and a grow the step cannot run without) wait for its
 answer; commits, releases and look-ahead grows travel while the model computes.
+The engine knows blockd only as a `Directory` (computed/directory.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Protocol
 
 import structlog
 
-from computed.directory_client import DirectoryClient
+from computed.directory import Directory
 from computed.directory_ops import DirectoryOps, DirectoryResult
 from computed.errors import DirectoryUnavailable
 from computed.model_runner import ModelRunner
@@ -77,15 +78,24 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, directory: DirectoryClient,
+    """Owns the requests in flight; the scheduler owns their sequences' state.
+
+    Recovery: blockd is lost when a Step fails (noticed here) or when the directory
+    notices on its own (a failed lease renewal: `Directory.needs_recovery`). The
+    engine only reads the directory's flag and keeps its own `_step_failed`; the next
+    iteration then recovers once and both are clear afterwards.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, directory: Directory,
                  observer: EngineObserver | None = None) -> None:
         self.scheduler = scheduler
         self.observer = observer
         self.runner = runner
-        self.directory = directory
+        self._directory = directory
+        self._step_failed = False
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
-        self._seq_ids = itertools.count(1)
+        self._sequence_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._draining = False  # set by stop(): new requests are refused from then on
@@ -95,9 +105,9 @@ class Engine:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        await self.directory.recover([], self._stopping)
+        await self._directory.recover([], self._stopping)
         self._tasks = [asyncio.create_task(self._loop(), name="engine-loop"),
-                       asyncio.create_task(self.directory.renew_forever(self._wake), name="lease")]
+                       asyncio.create_task(self._directory.renew_forever(self._wake), name="lease")]
 
     async def stop(self, drain_seconds: float) -> None:
         """Stop admitting; let running requests finish within the deadline, cancel the rest."""
@@ -106,7 +116,7 @@ class Engine:
         while self.scheduler.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for req in list(self._requests.values()):
-            self.abort(req.seq.seq_id)
+            self.abort(req.seq.sequence_id)
         # One more iteration ships the releases.
         for _ in range(100):
             if not self.scheduler.has_work():
@@ -118,25 +128,25 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._executor.shutdown(wait=True)
-        await self.directory.close()
+        await self._directory.close()
 
     # ----------------------------------------------------------------- requests
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, decoder: TokenDecoder,
                     cache_salt: str = "", public_prefix_tokens: int = 0) -> tuple[int, asyncio.Queue]:
         """Queue a request; its chunks arrive on the returned queue (the last has usage)."""
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params,
+        seq = Sequence(next(self._sequence_ids), list(prompt_token_ids), params,
                        self.scheduler.config.block_size, cache_salt, public_prefix_tokens)
         req = _Request(seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic())
-        self._requests[seq.seq_id] = req
-        self.runner.add_sequence(seq.seq_id, params.seed)
+        self._requests[seq.sequence_id] = req
+        self.runner.add_sequence(seq.sequence_id, params.seed)
         self.scheduler.add(seq)
         self._wake.set()
-        return seq.seq_id, req.queue
+        return seq.sequence_id, req.queue
 
-    def abort(self, seq_id: int) -> None:
+    def abort(self, sequence_id: int) -> None:
         """Cancel a request (client went away): its blocks are released next step."""
-        req = self._requests.get(seq_id)
+        req = self._requests.get(sequence_id)
         if req is None:
             return
         self.scheduler.finish(req.seq, "cancelled")
@@ -147,11 +157,21 @@ class Engine:
     def is_accepting(self) -> bool:
         return not self._draining
 
+    @property
+    def pool_id(self) -> str | None:
+        """blockd's id of this worker's pool; None before the first registration."""
+        lease = self._directory.lease
+        return lease.pool_id if lease is not None else None
+
+    @property
+    def needs_recovery(self) -> bool:
+        return self._step_failed or self._directory.needs_recovery
+
     # --------------------------------------------------------------------- loop
 
     async def _loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.scheduler.has_work() and not self.directory.needs_recovery:
+            if not self.scheduler.has_work() and not self.needs_recovery:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -175,7 +195,7 @@ class Engine:
                     pass
 
     async def _iteration(self) -> bool:
-        if self.directory.needs_recovery:
+        if self.needs_recovery:
             await self._recover()
         ops = self.scheduler.plan_ops()
         self.stats.num_steps += 1
@@ -204,19 +224,20 @@ class Engine:
 
     async def _step(self, ops: DirectoryOps) -> DirectoryResult | None:
         try:
-            return await self.directory.step(ops)
+            return await self._directory.step(ops)
         except DirectoryUnavailable as exc:
             log.warning("blockd_step_failed", error=str(exc))
             self.scheduler.on_step_failed(ops)
-            self.directory.needs_recovery = True
+            self._step_failed = True
             return None
 
     async def _recover(self) -> None:
         self.stats.num_recoveries += 1
         started = time.monotonic()
-        live = self.scheduler.live_sequences()
-        await self.directory.recover(live, self._stopping)
-        self.scheduler.on_resynced(live)
+        declared = self.scheduler.resync_sequences()
+        await self._directory.recover(declared, self._stopping)
+        self._step_failed = False
+        self.scheduler.on_resynced(declared)
         self.stats.directory_wait_seconds += time.monotonic() - started
 
     async def _forward(self, chunks: list[ScheduledChunk]) -> None:
@@ -225,9 +246,9 @@ class Engine:
         try:
             sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
         except Exception:  # fail these requests, keep serving the others
-            log.exception("forward_failed", sequences=[c.seq.seq_id for c in chunks])
+            log.exception("forward_failed", sequences=[c.seq.sequence_id for c in chunks])
             for chunk in chunks:
-                req = self._requests.get(chunk.seq.seq_id)
+                req = self._requests.get(chunk.seq.sequence_id)
                 self.scheduler.finish(chunk.seq, "error")
                 if req is not None:
                     self._finish(req, "error", stopped=True)
@@ -245,7 +266,7 @@ class Engine:
     # ------------------------------------------------------------------ outputs
 
     def _emit(self, seq: Sequence) -> None:
-        req = self._requests.get(seq.seq_id)
+        req = self._requests.get(seq.sequence_id)
         if req is None:
             return
         if req.first_token_at is None:
@@ -264,8 +285,8 @@ class Engine:
 
     def _finish(self, req: _Request, reason: str, stopped: bool) -> None:
         seq = req.seq
-        self._requests.pop(seq.seq_id, None)
-        self.runner.remove_sequence(seq.seq_id)
+        self._requests.pop(seq.sequence_id, None)
+        self.runner.remove_sequence(seq.sequence_id)
         reason = seq.finish_reason or reason
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""Domain errors a client can cause. Only the servicer maps them to gRPC status codes."""
+"""Domain errors. Only the servicer maps them to status codes (service.STATUS_CODES);
+DirectoryUnavailable stays inside computed (the engine recovers from it)."""
 
 
 class RequestError(Exception):
@@ -11,3 +12,11 @@ class CapacityError(Exception):
 
 class DirectoryUnavailable(Exception):
     """blockd cannot be reached or refused our pool; the engine re-registers and resyncs."""
+
+
+class ShuttingDown(Exception):
+    """computed is draining and admits nothing new; the client should retry elsewhere (UNAVAILABLE)."""
+
+
+class ModelFailed(Exception):
+    """The forward pass failed on the batch that held this request (INTERNAL); details are logged."""

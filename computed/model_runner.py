@@ -25,7 +25,7 @@ class ForwardInput:
     sample_rows: list[int]  # index into token_ids of each sampled position
     sample_chunks: list[int]  # which chunk each sampled row belongs to
     params: list[SamplingParams]
-    seq_ids: list[SequenceId]
+    sequence_ids: list[SequenceId]
     num_chunks: int
 
 
@@ -40,12 +40,12 @@ class ModelRunner:
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
 
-    def add_sequence(self, seq_id: SequenceId, seed: int | None) -> None:
-        self._seeds[seq_id] = seed
+    def add_sequence(self, sequence_id: SequenceId, seed: int | None) -> None:
+        self._seeds[sequence_id] = seed
 
-    def remove_sequence(self, seq_id: SequenceId) -> None:
-        self._seeds.pop(seq_id, None)
-        self._generators.pop(seq_id, None)
+    def remove_sequence(self, sequence_id: SequenceId) -> None:
+        self._seeds.pop(sequence_id, None)
+        self._generators.pop(sequence_id, None)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardInput:
         token_ids: list[int] = []
@@ -64,7 +64,7 @@ class ModelRunner:
                 sample_chunks.append(i)
         return ForwardInput(token_ids, spans, sample_rows, sample_chunks,
                             [chunks[i].seq.params for i in sample_chunks],
-                            [chunks[i].seq.seq_id for i in sample_chunks], len(chunks))
+                            [chunks[i].seq.sequence_id for i in sample_chunks], len(chunks))
 
     @torch.inference_mode()
     def run(self, inp: ForwardInput) -> list[int | None]:
@@ -77,15 +77,15 @@ class ModelRunner:
             return out
         rows = torch.tensor(inp.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # (S, vocab) float32
-        generators = [self._generator(seq_id, p) for seq_id, p in zip(inp.seq_ids, inp.params)]
+        generators = [self._generator(sid, p) for sid, p in zip(inp.sequence_ids, inp.params)]
         for chunk_index, token in zip(inp.sample_chunks, sample(logits, inp.params, generators)):
             out[chunk_index] = token
         return out
 
-    def _generator(self, seq_id: SequenceId, params: SamplingParams) -> torch.Generator | None:
+    def _generator(self, sequence_id: SequenceId, params: SamplingParams) -> torch.Generator | None:
         if params.is_greedy:
             return None
-        gen = self._generators.get(seq_id)
+        gen = self._generators.get(sequence_id)
         if gen is None:
-            gen = self._generators[seq_id] = make_generator(self._seeds.get(seq_id), self.device)
+            gen = self._generators[sequence_id] = make_generator(self._seeds.get(sequence_id), self.device)
         return gen

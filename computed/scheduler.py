@@ -10,12 +10,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from computed.directory_ops import (
-    Admit,
-    Commit,
+    AdmitOp,
+    CommitOp,
     DirectoryOps,
     DirectoryResult,
-    Grow,
-    LiveSequence,
+    GrowOp,
+    ResyncSequence,
 )
 from computed.sequence import Sequence, SequenceId, SequenceStatus
 
@@ -78,7 +78,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admitting: dict[SequenceId, Sequence] = {}
-        self._pending_commits: list[Commit] = []
+        self._pending_commits: list[CommitOp] = []
         self._pending_releases: list[SequenceId] = []
         # Free + evictable blocks as blockd last reported them (None: unknown yet).
         self._num_available_blocks: int | None = None
@@ -105,7 +105,7 @@ class Scheduler:
         seq.finish_reason = reason
         if was_running:
             self.running.remove(seq)
-            self._pending_releases.append(seq.seq_id)
+            self._pending_releases.append(seq.sequence_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         # A sequence in `_admitting` is released when its admission result arrives.
@@ -119,7 +119,7 @@ class Scheduler:
         for seq in self.running:
             needed_now, wanted = self._capacity_needs(seq)
             if seq.capacity < wanted:
-                ops.grows.append(Grow(seq.seq_id, wanted, is_urgent=seq.capacity < needed_now))
+                ops.grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=seq.capacity < needed_now))
         ops.admits = self._plan_admits(ops)
         return ops
 
@@ -130,8 +130,8 @@ class Scheduler:
         limit = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
         return seq.num_tokens, min(seq.num_tokens + 1, limit)
 
-    def _plan_admits(self, ops: DirectoryOps) -> list[Admit]:
-        admits: list[Admit] = []
+    def _plan_admits(self, ops: DirectoryOps) -> list[AdmitOp]:
+        admits: list[AdmitOp] = []
         budget = self._num_available_blocks
         if budget is not None:
             budget -= sum(1 for g in ops.grows)
@@ -143,35 +143,35 @@ class Scheduler:
             # blockd has the final word (admitted=False changes nothing).
             if budget is not None and admits and blocks > budget:
                 break
-            admits.append(Admit(seq.seq_id, list(seq.token_ids), seq.cache_salt,
-                                seq.public_prefix_tokens))
+            admits.append(AdmitOp(seq.sequence_id, list(seq.token_ids), seq.cache_salt,
+                                  seq.public_prefix_tokens))
             if budget is not None:
                 budget -= blocks
         for admit in admits:
-            self._admitting[admit.seq_id] = self.waiting.popleft()
+            self._admitting[admit.sequence_id] = self.waiting.popleft()
         return admits
 
     def apply_result(self, ops: DirectoryOps, result: DirectoryResult) -> None:
         """Take blockd's answer: admitted sequences start running; failed grows preempt."""
         if result.num_free_blocks is not None:
             self._num_available_blocks = result.num_free_blocks + (result.num_evictable_blocks or 0)
-        by_id = {seq.seq_id: seq for seq in self.running}
-        urgent = {g.seq_id for g in ops.grows if g.is_urgent}
+        by_id = {seq.sequence_id: seq for seq in self.running}
+        urgent = {g.sequence_id for g in ops.grows if g.is_urgent}
         starved: list[Sequence] = []
         for outcome in result.grows:
-            seq = by_id.get(outcome.seq_id)
+            seq = by_id.get(outcome.sequence_id)
             if seq is None:
                 continue  # finished or preempted meanwhile; its release covers the blocks
             if outcome.grown:
                 seq.block_table.extend(outcome.new_block_ids)
-            elif outcome.seq_id in urgent:
+            elif outcome.sequence_id in urgent:
                 starved.append(seq)
         refused: list[Sequence] = []
         for outcome in result.admits:
-            seq = self._admitting.pop(outcome.seq_id)
+            seq = self._admitting.pop(outcome.sequence_id)
             if seq.is_finished:  # cancelled while blockd was answering
                 if outcome.admitted:
-                    self._pending_releases.append(seq.seq_id)
+                    self._pending_releases.append(seq.sequence_id)
                 continue
             if not outcome.admitted:
                 refused.append(seq)
@@ -185,28 +185,28 @@ class Scheduler:
 
     def on_step_failed(self, ops: DirectoryOps) -> None:
         """blockd never answered: admissions go back to waiting; resync covers the rest."""
-        returned = [self._admitting.pop(a.seq_id) for a in ops.admits]
+        returned = [self._admitting.pop(a.sequence_id) for a in ops.admits]
         self.waiting.extendleft(reversed([s for s in returned if not s.is_finished]))
 
-    def live_sequences(self) -> list[LiveSequence]:
+    def resync_sequences(self) -> list[ResyncSequence]:
         """Running sequences as blockd must know them after a restart. One with no K/V
         written yet (admitted, still waiting for its first prefill chunk) is left out:
         blockd refuses an empty token list, and `on_resynced` admits it again."""
         return [
-            LiveSequence(seq.seq_id, list(seq.block_table), seq.token_ids[:seq.num_computed_tokens],
-                         seq.cache_salt, seq.public_prefix_tokens)
+            ResyncSequence(seq.sequence_id, list(seq.block_table), seq.token_ids[:seq.num_computed_tokens],
+                           seq.cache_salt, seq.public_prefix_tokens)
             for seq in self.running if seq.num_computed_tokens > 0
         ]
 
-    def on_resynced(self, declared: list[LiveSequence]) -> None:
+    def on_resynced(self, declared: list[ResyncSequence]) -> None:
         """blockd now knows exactly the `declared` sequences, their written blocks committed.
         A running sequence left out goes back to the front of the waiting queue; a release
         is kept only for a declared sequence that finished during the recovery (its client
         cancelled), else blockd would hold its blocks forever."""
-        declared_ids = {live.seq_id for live in declared}
+        declared_ids = {live.sequence_id for live in declared}
         self._pending_commits.clear()
-        self._pending_releases = [seq_id for seq_id in self._pending_releases if seq_id in declared_ids]
-        requeued = [seq for seq in self.running if seq.seq_id not in declared_ids]
+        self._pending_releases = [sid for sid in self._pending_releases if sid in declared_ids]
+        requeued = [seq for seq in self.running if seq.sequence_id not in declared_ids]
         for seq in requeued:
             self.running.remove(seq)
             seq.status = SequenceStatus.WAITING
@@ -241,7 +241,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_committed_blocks = 0
         victim.num_preemptions += 1
-        self._pending_releases.append(victim.seq_id)
+        self._pending_releases.append(victim.sequence_id)
         self.waiting.appendleft(victim)
 
     # ---------------------------------------------------------------- forward
@@ -295,7 +295,7 @@ class Scheduler:
         if last <= first:
             return
         self._pending_commits.append(
-            Commit(seq.seq_id, seq.block_table[first:last], seq.token_ids[first * bs:last * bs]))
+            CommitOp(seq.sequence_id, seq.block_table[first:last], seq.token_ids[first * bs:last * bs]))
         seq.num_committed_blocks = last
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

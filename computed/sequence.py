@@ -63,7 +63,7 @@ class Sequence:
     far as its new prompt; blockd usually hands its committed blocks straight back.
     """
 
-    seq_id: SequenceId
+    sequence_id: SequenceId
     prompt_token_ids: list[int]
     params: SamplingParams
     block_size: int

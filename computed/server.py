@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from computed.model.loader import load_model
 from computed.model.tokenizer import Tokenizer
 from computed.model_runner import ModelRunner
 from computed.scheduler import Scheduler, SchedulerConfig
-from computed.service import GenerationServicer, WorkerInfo, add_generation_service
+from computed.service import GenerationServicer, WorkerInfo, add_service
 from kvcache.v1 import generation_pb2
 
 log = structlog.get_logger("computed.server")
@@ -102,7 +103,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
                       dtype=dtype_name, device=device.type, block_size=config.block_size,
                       num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=mc.vocab_size,
                       eos_token_ids=eos, blockd_address=config.blockd)
-    add_generation_service(GenerationServicer(engine, tokenizer, info), server)
+    add_service(GenerationServicer(engine, tokenizer, info), server, "GenerationService")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -174,6 +175,6 @@ def _blockd_credentials(config: ComputedConfig) -> grpc.ChannelCredentials | Non
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)

@@ -1,54 +1,55 @@
-"""gRPC adapter for `kvcache.v1.GenerationService`: messages in, engine calls, messages out.
+"""gRPC adapter for `kvcache.v1.GenerationService`: messages in, policy and engine calls, messages out.
 
-The only module of computed that knows gRPC status codes: RequestError ->
-INVALID_ARGUMENT, CapacityError -> RESOURCE_EXHAUSTED, draining -> UNAVAILABLE.
+The only module of computed that knows gRPC status codes: the domain errors map to
+them through one table, STATUS_CODES, applied by the `unary`/`streaming` decorators.
+What a request may be is decided in computed/request_policy.py (pure); anything
+unexpected becomes INTERNAL and is logged; the daemon keeps serving either way.
+
+The decoding and error-mapping helpers mirror blockd/service.py line for line (the
+daemons import nothing from each other); tests/test_contract.py keeps them equal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
 from computed.engine import Engine, GenerationChunk
-from computed.errors import CapacityError, RequestError
+from computed.errors import CapacityError, ModelFailed, RequestError, ShuttingDown
 from computed.model.tokenizer import IncrementalDecoder, Tokenizer
-from computed.sequence import SamplingParams
+from computed.request_policy import GenerateInput, RequestPolicy, WorkerInfo
 from kvcache.v1 import generation_pb2 as pb
 from kvcache.v1 import generation_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("computed.service")
 
-DEFAULT_MAX_TOKENS = 64
-MAX_SALT_BYTES = 1024
-MAX_MESSAGES = 1024
-# The request id is echoed in every response message: unbounded, a 16 MiB id would turn
-# each generated token into a 16 MiB message.
-MAX_REQUEST_ID_CHARS = 256
-# A positive temperature below this samples greedily (its limit): dividing logits by a
-# denormal such as 1e-45 overflows float32 to inf, the softmax turns NaN and every step
-# of the batch would fail. vLLM's _SAMPLING_EPS is the same.
-MIN_SAMPLING_TEMPERATURE = 1e-5
+__all__ = ["STATUS_CODES", "GenerationServicer", "WorkerInfo", "add_service"]
+
+STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
+    RequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    ModelFailed: grpc.StatusCode.INTERNAL,
+}
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Runtime facts about the served model and pool (known after loading and sizing)."""
+def _status_of(exc: Exception) -> grpc.StatusCode | None:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]
+    return None
 
-    model_id: str
-    model_revision: str
-    architecture: str
-    dtype: str
-    device: str
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    blockd_address: str
+
+# Status details travel in trailing metadata (16 KiB at most): a message that echoes a
+# huge client value must be cut, or the client sees a transport error instead.
+MAX_DETAILS_CHARS = 1_000
 
 
 @dataclass(frozen=True)
@@ -59,159 +60,141 @@ class Malformed:
     error: str
 
 
+def _details(text: str) -> str:
+    return text if len(text) <= MAX_DETAILS_CHARS else text[:MAX_DETAILS_CHARS] + "... (truncated)"
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code = _status_of(exc)
+    if code is None:
+        log.exception("internal error", method=method)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, _details(f"internal error in {method}: {type(exc).__name__}: {exc}")
+        )
+    await context.abort(code, _details(str(exc)))
+
+
+def _reject_malformed(request: Any) -> None:
+    if isinstance(request, Malformed):
+        raise RequestError(
+            f"request is not a valid {request.message_type}: {request.error} (string fields must be UTF-8)"
+        )
+
+
+def unary(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map exceptions of a unary handler to status codes."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            _reject_malformed(request)
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure must become a status
+            await _abort(context, method.__name__, exc)
+
+    return handler
+
+
+def streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """Map exceptions of a server-streaming handler to status codes."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            _reject_malformed(request)
+            async for reply in method(self, request, context):
+                yield reply
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, method.__name__, exc)
+
+    return handler
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """Thin handlers: message -> `RequestPolicy` -> engine -> message; errors via STATUS_CODES."""
+
     def __init__(self, engine: Engine, tokenizer: Tokenizer, info: WorkerInfo) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
+        self.policy = RequestPolicy(info, tokenizer)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await _reject_malformed(request, context)
+    @streaming
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the completion; a slow reader gets the backlog as one message."""
         if not self.engine.is_accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "computed is shutting down; retry elsewhere")
-        try:
-            # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
-            prompt = await asyncio.to_thread(self._prompt_tokens, request)
-            params = self._sampling_params(request, len(prompt))
-            salt = _check_salt(request.cache_salt)
-            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-                raise RequestError(f"request_id is over {MAX_REQUEST_ID_CHARS} characters "
-                                   f"(it is echoed in every response)")
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except CapacityError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        seq_id, queue = self.engine.add_request(prompt, params, IncrementalDecoder(self.tokenizer),
-                                                salt, request.public_prefix_tokens)
-        request_id = request.request_id or f"req-{seq_id}"
+            raise ShuttingDown("computed is shutting down; retry elsewhere")
+        # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
+        admitted = await asyncio.to_thread(self.policy.admit, _generate_input(request))
+        sequence_id, queue = self.engine.add_request(
+            admitted.prompt_token_ids, admitted.params, IncrementalDecoder(self.tokenizer),
+            admitted.cache_salt, admitted.public_prefix_tokens)
+        request_id = admitted.request_id or f"req-{sequence_id}"
         finished = False
         try:
             while not finished:
                 chunks = [await queue.get()]
-                while not queue.empty():  # a slow reader gets the backlog as one message
+                while not queue.empty():
                     chunks.append(queue.get_nowait())
                 finished = chunks[-1].finish_reason is not None
                 if chunks[-1].finish_reason == "error":
-                    await context.abort(grpc.StatusCode.INTERNAL,
-                                        "the model failed on this request's batch; see computed's log")
+                    raise ModelFailed("the model failed on this request's batch; see computed's log")
                 yield _response(request_id, chunks)
         finally:
             if not finished:
-                self.engine.abort(seq_id)  # client cancelled or went away
+                self.engine.abort(sequence_id)  # client cancelled or went away
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        await _reject_malformed(request, context)
-        try:
-            if request.messages and request.text:
-                raise RequestError("give either text or messages, not both")
-            if request.messages:
-                rendered = self._render_chat(request.messages)
-                return pb.TokenizeResponse(token_ids=self.tokenizer.encode(rendered, add_special_tokens=False),
-                                           rendered_text=rendered)
-            return pb.TokenizeResponse(
-                token_ids=self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens))
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    @unary
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        token_ids, rendered = self.policy.tokenize(
+            request.text, _chat(request.messages), request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=token_ids, rendered_text=rendered)
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        await _reject_malformed(request, context)
-        try:
-            self._check_token_ids(request.token_ids, "token_ids")
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    @unary
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        self.policy.check_token_ids(request.token_ids, "token_ids")
         return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids)))
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
-        await _reject_malformed(request, context)
-        info, lease = self.info, self.engine.directory.lease
+    @unary
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        info = self.info
         return pb.GetModelInfoResponse(
             model_id=info.model_id, model_revision=info.model_revision, architecture=info.architecture,
             dtype=info.dtype, device=info.device, block_size=info.block_size, num_blocks=info.num_blocks,
             max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids), has_chat_template=self.tokenizer.has_chat_template,
-            pool_id=lease.pool_id if lease else "", blockd_address=info.blockd_address)
-
-    # ------------------------------------------------------------ validation
-
-    def _prompt_tokens(self, request: pb.GenerateRequest) -> list[int]:
-        given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
-        if sum(given) == 0:
-            raise RequestError("empty prompt: set one of prompt, prompt_token_ids or messages")
-        if sum(given) > 1:
-            raise RequestError("set exactly one of prompt, prompt_token_ids or messages")
-        if request.prompt_token_ids:
-            tokens = list(request.prompt_token_ids)
-            self._check_token_ids(tokens, "prompt_token_ids")
-        elif request.messages:
-            tokens = self.tokenizer.encode(self._render_chat(request.messages), add_special_tokens=False)
-        else:
-            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=True)
-        if not tokens:
-            raise RequestError("the prompt tokenized to nothing; send some text")
-        limit = self.info.max_model_len
-        if len(tokens) >= limit:
-            raise RequestError(f"prompt has {len(tokens)} tokens but the model's context is {limit}: "
-                               f"send at most {limit - 1} prompt tokens")
-        blocks = -(-(len(tokens) + 1) // self.info.block_size)
-        if blocks > self.info.num_blocks:
-            raise CapacityError(f"prompt needs {blocks} KV blocks but the pool holds {self.info.num_blocks}; "
-                                f"shorten it or start computed with more --num-blocks")
-        return tokens
-
-    def _sampling_params(self, request: pb.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
-        # Refused, not silently clamped, when an explicit max_tokens cannot fit beside the
-        # prompt (as vLLM and OpenAI do); the default alone never refuses a prompt that fits.
-        room = self.info.max_model_len - num_prompt_tokens  # >= 1: _prompt_tokens refused the rest
-        if not request.HasField("max_tokens"):
-            max_tokens = min(DEFAULT_MAX_TOKENS, room)
-        else:
-            max_tokens = request.max_tokens
-            if max_tokens > room:
-                raise RequestError(
-                    f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's "
-                    f"context is {self.info.max_model_len}: at most {room} completion tokens fit; lower "
-                    f"max_tokens to {room} or shorten the prompt by {max_tokens - room} tokens")
-        for token in request.stop_token_ids:
-            if token >= self.info.vocab_size:
-                raise RequestError(f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}")
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_effective_temperature(request),
-            top_p=request.top_p if request.HasField("top_p") else 1.0,
-            top_k=request.top_k if request.HasField("top_k") else 0,
-            seed=request.seed if request.HasField("seed") else None,
-            stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
-            ignore_eos=request.ignore_eos)
-
-    def _check_token_ids(self, tokens, field: str) -> None:
-        vocab = self.info.vocab_size
-        bad = next((t for t in tokens if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(f"{field}: token id {bad} is out of range; the vocab has {vocab} ids")
-
-    def _render_chat(self, messages) -> str:
-        if not self.tokenizer.has_chat_template:
-            raise RequestError("this model has no chat template: send prompt or prompt_token_ids")
-        if len(messages) > MAX_MESSAGES:
-            raise RequestError(f"at most {MAX_MESSAGES} messages")
-        if any(not m.role for m in messages):
-            raise RequestError("every message needs a role (system, user, assistant or tool)")
-        try:
-            return self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
-        except Exception as exc:  # templates raise whatever they like
-            raise RequestError(f"chat template refused the messages: {exc}") from exc
+            pool_id=self.engine.pool_id or "", blockd_address=info.blockd_address)
 
 
-def _effective_temperature(request: pb.GenerateRequest) -> float:
-    temperature = request.temperature if request.HasField("temperature") else 0.0
-    return 0.0 if 0.0 < temperature < MIN_SAMPLING_TEMPERATURE else temperature
+def _chat(messages: Any) -> list[tuple[str, str]]:
+    return [(m.role, m.content) for m in messages]
 
 
-def _check_salt(salt: str) -> str:
-    if len(salt.encode()) > MAX_SALT_BYTES:
-        raise RequestError(f"cache_salt is over {MAX_SALT_BYTES} bytes")
-    return salt
+def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
+    """The message as plain values; an unset optional field becomes None."""
+
+    def optional(name: str) -> Any:
+        return getattr(request, name) if request.HasField(name) else None
+
+    return GenerateInput(
+        prompt=request.prompt, prompt_token_ids=list(request.prompt_token_ids),
+        messages=_chat(request.messages), max_tokens=optional("max_tokens"),
+        temperature=optional("temperature"), top_p=optional("top_p"), top_k=optional("top_k"),
+        seed=optional("seed"), stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos, cache_salt=request.cache_salt,
+        public_prefix_tokens=request.public_prefix_tokens, request_id=request.request_id)
 
 
 def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResponse:
@@ -228,35 +211,32 @@ def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResp
             total_time_seconds=u.total_time_seconds, num_preemptions=u.num_preemptions))
     return response
 
-
-async def _reject_malformed(request, context) -> None:
-    if isinstance(request, Malformed):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request is not a valid {request.message_type}: {request.error} "
-                            f"(string fields must be UTF-8)")
-
-
-def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
-    """Register like the generated helper does, but answer undecodable requests with
-    INVALID_ARGUMENT instead of grpc's INTERNAL "Exception deserializing request"."""
-    service = pb.DESCRIPTOR.services_by_name["GenerationService"]
+def add_service(servicer: Any, server: grpc.aio.Server, service_name: str) -> None:
+    """Register like the generated helper does, but hand undecodable requests to the
+    handler as `Malformed` (answered INVALID_ARGUMENT) instead of grpc's UNKNOWN."""
+    service = pb.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        factory = (grpc.unary_stream_rpc_method_handler if method.server_streaming
-                   else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=_lenient(request_cls),
-                                        response_serializer=response_cls.SerializeToString)
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def _lenient(message_cls):
-    def deserialize(data: bytes):
+def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
         try:
             return message_cls.FromString(data)
         except (DecodeError, ValueError, UnicodeDecodeError) as exc:
             return Malformed(message_cls.DESCRIPTOR.name, str(exc) or type(exc).__name__)
-    return deserialize
 
+    return deserialize

@@ -56,7 +56,51 @@ def test_daemons_share_only_the_generated_contract(package, forbidden):
 @pytest.mark.parametrize("module", [
     "blockd/directory.py", "blockd/pool.py", "blockd/hashing.py", "blockd/eviction.py",
     "computed/scheduler.py", "computed/sequence.py", "computed/directory_ops.py",
+    "computed/request_policy.py",
 ])
 def test_pure_cores_import_no_grpc(module):
     names = _imports(str(Path(module).parent))[module]
     assert not (_top(names) & {"grpc", "kvcache", "torch", "socket", "asyncio"}), f"{module}: {names}"
+
+
+@pytest.mark.parametrize("module", ["computed/engine.py", "computed/directory.py"])
+def test_engine_knows_blockd_only_through_the_directory_protocol(module):
+    names = _imports("computed")[module]
+    assert not (_top(names) & {"grpc", "kvcache"}), f"{module}: {names}"
+    assert "computed.directory_client" not in names, f"{module} imports the gRPC directory client"
+
+
+# Helpers each daemon keeps its own copy of (they may not import each other): the
+# copies must stay equal, or a fix in one daemon silently misses the other.
+MIRRORED_FILES = [("blockd/logs.py", "computed/logs.py")]
+MIRRORED_DEFINITIONS = [
+    ("blockd/service.py", "computed/service.py",
+     ["Malformed", "_status_of", "_details", "_abort", "unary", "streaming", "add_service", "_lenient"]),
+    ("blockd/server.py", "computed/server.py", ["_write_atomically"]),
+]
+
+
+def _definitions(path: str) -> dict[str, str]:
+    """Top-level functions and classes of `path`, each as its exact source text."""
+    text = (REPO / path).read_text()
+    lines = text.splitlines(keepends=True)
+    found: dict[str, str] = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            found[node.name] = "".join(lines[first - 1:node.end_lineno])
+    return found
+
+
+@pytest.mark.parametrize("original, copy", MIRRORED_FILES)
+def test_mirrored_files_are_identical(original, copy):
+    assert (REPO / original).read_bytes() == (REPO / copy).read_bytes(), (
+        f"{copy} drifted from {original}: make them byte-identical again")
+
+
+@pytest.mark.parametrize("original, copy, names", MIRRORED_DEFINITIONS)
+def test_mirrored_definitions_are_identical(original, copy, names):
+    ours, theirs = _definitions(original), _definitions(copy)
+    for name in names:
+        assert name in ours and name in theirs, f"{name} missing from {original} or {copy}"
+        assert ours[name] == theirs[name], f"{copy}:{name} drifted from {original}:{name}"

@@ -13,9 +13,9 @@ import random
 
 import pytest
 
+from blockd import types as bt
 from blockd.directory import BlockDirectory
-from blockd.types import AdmitOp, CommitOp, GrowOp, Namespace, ReleaseOp
-from computed.directory_ops import AdmitOutcome, DirectoryOps, DirectoryResult, GrowOutcome
+from computed.directory_ops import AdmitResult, DirectoryOps, DirectoryResult, GrowResult
 from computed.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from computed.sequence import SamplingParams, Sequence
 
@@ -38,7 +38,7 @@ class Harness:
     def __init__(self, num_blocks: int, block_size: int = 4, **sched) -> None:
         self.bs = block_size
         self.directory = BlockDirectory()
-        reg = self.directory.register_pool(num_blocks, block_size, Namespace("test-model"))
+        reg = self.directory.register_pool(num_blocks, block_size, bt.Namespace("test-model"))
         self.pool_id, self.epoch = reg.pool_id, reg.epoch
         self.scheduler = Scheduler(SchedulerConfig(block_size=block_size, num_blocks=num_blocks,
                                                    max_model_len=4096, **sched), eos_token_ids=())
@@ -57,14 +57,15 @@ class Harness:
     def step_directory(self, ops: DirectoryOps) -> DirectoryResult:
         res = self.directory.step(
             self.pool_id, self.epoch,
-            commits=[CommitOp(c.seq_id, c.block_ids, c.token_ids) for c in ops.commits],
-            releases=[ReleaseOp(s) for s in ops.releases],
-            grows=[GrowOp(g.seq_id, g.num_tokens) for g in ops.grows],
-            admits=[AdmitOp(a.seq_id, a.token_ids, a.cache_salt, a.public_prefix_tokens) for a in ops.admits])
+            commits=[bt.CommitOp(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits],
+            releases=[bt.ReleaseOp(s) for s in ops.releases],
+            grows=[bt.GrowOp(g.sequence_id, g.num_tokens) for g in ops.grows],
+            admits=[bt.AdmitOp(a.sequence_id, a.token_ids, a.cache_salt, a.public_prefix_tokens)
+                    for a in ops.admits])
         self.check_accounting()
         return DirectoryResult(
-            grows=[GrowOutcome(g.sequence_id, g.grown, list(g.new_block_ids)) for g in res.grows],
-            admits=[AdmitOutcome(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+            grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in res.grows],
+            admits=[AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
                     for a in res.admits],
             num_free_blocks=res.num_free_blocks, num_evictable_blocks=res.num_evictable_blocks)
 
@@ -77,10 +78,10 @@ class Harness:
                 return seq.block_table[p // bs] * bs + p % bs
             for p in range(chunk.write_from):  # everything attended to but not written now
                 if p < chunk.end:
-                    assert self.shadow.get(slot(p)) == seq.token_ids[p], f"seq {seq.seq_id} pos {p}: wrong K/V"
+                    assert self.shadow.get(slot(p)) == seq.token_ids[p], f"seq {seq.sequence_id} pos {p}: wrong K/V"
             for p in range(chunk.write_from, chunk.end):
                 block = seq.block_table[p // bs]
-                assert block not in cached, f"seq {seq.seq_id} writes into committed block {block}"
+                assert block not in cached, f"seq {seq.sequence_id} writes into committed block {block}"
                 self.shadow[slot(p)] = seq.token_ids[p]
             self.num_model_tokens += chunk.num_tokens
             self.max_chunk = max(self.max_chunk, chunk.num_tokens)
@@ -176,7 +177,7 @@ def test_random_workload_under_pressure_matches_reference(seed):
         seqs.append((h.add(prompt, rng.randrange(1, 24), salt=rng.choice(["", "", "t1"])), prompt))
     h.run()
     for seq, prompt in seqs:
-        assert seq.completion_token_ids == reference(prompt, seq.params.max_tokens), seq.seq_id
+        assert seq.completion_token_ids == reference(prompt, seq.params.max_tokens), seq.sequence_id
         assert seq.finish_reason == "length"
     stats = h.directory.stats(h.pool_id).total
     assert stats.num_referenced_blocks == 0, "every block must be released at the end"

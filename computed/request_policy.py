@@ -1,0 +1,199 @@
+"""What computed accepts from a client: validation and defaults of Generate, Tokenize, Detokenize.
+
+Pure: plain values in, a validated request (or a domain error) out; no gRPC and no
+generated code. The servicer turns messages into `GenerateInput` and maps the errors
+raised here (`RequestError`, `CapacityError`) to status codes.
+
+Invariants of an `AdmittedRequest`:
+- 1 <= len(prompt_token_ids) < max_model_len, every id below the vocab size;
+- len(prompt_token_ids) + params.max_tokens <= max_model_len (an explicit max_tokens
+  that cannot fit is refused, the default is clamped);
+- the prompt plus one generated token fits in the whole pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from computed.errors import CapacityError, RequestError
+from computed.sequence import SamplingParams
+
+DEFAULT_MAX_TOKENS = 64
+MAX_SALT_BYTES = 1024
+MAX_MESSAGES = 1024
+# The request id is echoed in every response message: unbounded, a 16 MiB id would turn
+# each generated token into a 16 MiB message.
+MAX_REQUEST_ID_CHARS = 256
+# A positive temperature below this samples greedily (its limit): dividing logits by a
+# denormal such as 1e-45 overflows float32 to inf, the softmax turns NaN and every step
+# of the batch would fail. vLLM's _SAMPLING_EPS is the same.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+ChatMessage = tuple[str, str]  # (role, content)
+
+
+class PromptTokenizer(Protocol):
+    """The part of `computed.model.tokenizer.Tokenizer` the policy uses."""
+
+    @property
+    def has_chat_template(self) -> bool: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Runtime facts about the served model and pool (known after loading and sizing)."""
+
+    model_id: str
+    model_revision: str
+    architecture: str
+    dtype: str
+    device: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    blockd_address: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A GenerateRequest as plain values; None marks an optional field left unset."""
+
+    prompt: str = ""
+    prompt_token_ids: Sequence[int] = ()
+    messages: Sequence[ChatMessage] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    cache_salt: str = ""
+    public_prefix_tokens: int = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """A Generate the engine can run as is (see the module's invariants)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str
+    public_prefix_tokens: int
+    request_id: str  # "" when the client sent none
+
+
+class RequestPolicy:
+    """Checks requests against the served model and pool; raises RequestError or CapacityError."""
+
+    def __init__(self, info: WorkerInfo, tokenizer: PromptTokenizer) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+
+    def admit(self, request: GenerateInput) -> AdmittedRequest:
+        """Validate a Generate (tokenizing its prompt: slow for a long one) in the documented order."""
+        prompt = self.prompt_tokens(request)
+        params = self.sampling_params(request, len(prompt))
+        salt = _check_salt(request.cache_salt)
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise RequestError(f"request_id is over {MAX_REQUEST_ID_CHARS} characters "
+                               f"(it is echoed in every response)")
+        return AdmittedRequest(prompt, params, salt, request.public_prefix_tokens, request.request_id)
+
+    def tokenize(self, text: str, messages: Sequence[ChatMessage],
+                 add_special_tokens: bool) -> tuple[list[int], str]:
+        """Token ids of `text` or of the rendered chat, and the rendered text ("" for text)."""
+        if messages and text:
+            raise RequestError("give either text or messages, not both")
+        if messages:
+            rendered = self.render_chat(messages)
+            return self.tokenizer.encode(rendered, add_special_tokens=False), rendered
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), ""
+
+    def prompt_tokens(self, request: GenerateInput) -> list[int]:
+        given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
+        if sum(given) == 0:
+            raise RequestError("empty prompt: set one of prompt, prompt_token_ids or messages")
+        if sum(given) > 1:
+            raise RequestError("set exactly one of prompt, prompt_token_ids or messages")
+        if request.prompt_token_ids:
+            tokens = list(request.prompt_token_ids)
+            self.check_token_ids(tokens, "prompt_token_ids")
+        elif request.messages:
+            tokens = self.tokenizer.encode(self.render_chat(request.messages), add_special_tokens=False)
+        else:
+            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        if not tokens:
+            raise RequestError("the prompt tokenized to nothing; send some text")
+        limit = self.info.max_model_len
+        if len(tokens) >= limit:
+            raise RequestError(f"prompt has {len(tokens)} tokens but the model's context is {limit}: "
+                               f"send at most {limit - 1} prompt tokens")
+        blocks = -(-(len(tokens) + 1) // self.info.block_size)
+        if blocks > self.info.num_blocks:
+            raise CapacityError(f"prompt needs {blocks} KV blocks but the pool holds {self.info.num_blocks}; "
+                                f"shorten it or start computed with more --num-blocks")
+        return tokens
+
+    def sampling_params(self, request: GenerateInput, num_prompt_tokens: int) -> SamplingParams:
+        # Refused, not silently clamped, when an explicit max_tokens cannot fit beside the
+        # prompt (as vLLM and OpenAI do); the default alone never refuses a prompt that fits.
+        room = self.info.max_model_len - num_prompt_tokens  # >= 1: prompt_tokens refused the rest
+        if request.max_tokens is None:
+            max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        else:
+            max_tokens = request.max_tokens
+            if max_tokens > room:
+                raise RequestError(
+                    f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's "
+                    f"context is {self.info.max_model_len}: at most {room} completion tokens fit; lower "
+                    f"max_tokens to {room} or shorten the prompt by {max_tokens - room} tokens")
+        for token in request.stop_token_ids:
+            if token >= self.info.vocab_size:
+                raise RequestError(f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_effective_temperature(request.temperature),
+            top_p=request.top_p if request.top_p is not None else 1.0,
+            top_k=request.top_k if request.top_k is not None else 0,
+            seed=request.seed,
+            stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos)
+
+    def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
+        vocab = self.info.vocab_size
+        bad = next((t for t in tokens if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"{field}: token id {bad} is out of range; the vocab has {vocab} ids")
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        if not self.tokenizer.has_chat_template:
+            raise RequestError("this model has no chat template: send prompt or prompt_token_ids")
+        if len(messages) > MAX_MESSAGES:
+            raise RequestError(f"at most {MAX_MESSAGES} messages")
+        if any(not role for role, _ in messages):
+            raise RequestError("every message needs a role (system, user, assistant or tool)")
+        try:
+            return self.tokenizer.apply_chat_template(
+                [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True)
+        except Exception as exc:  # templates raise whatever they like
+            raise RequestError(f"chat template refused the messages: {exc}") from exc
+
+
+def _effective_temperature(temperature: float | None) -> float:
+    temperature = 0.0 if temperature is None else temperature
+    return 0.0 if 0.0 < temperature < MIN_SAMPLING_TEMPERATURE else temperature
+
+
+def _check_salt(salt: str) -> str:
+    if len(salt.encode()) > MAX_SALT_BYTES:
+        raise RequestError(f"cache_salt is over {MAX_SALT_BYTES} bytes")
+    return salt

@@ -1,0 +1,146 @@
+"""The engine, fake-free: real Scheduler, real tiny model runner, blockd's real core.
+
+The directory is `InProcessDirectory` (blockd's `BlockDirectory` behind computed's
+`Directory` protocol), so these tests check what only the assembled step loop does:
+a repeated prompt is served from cache with the same greedy tokens, blocks go back
+to blockd when requests finish or are cancelled, and a failed Step is recovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from blockd.directory import BlockDirectory
+from computed.engine import Engine, GenerationChunk
+from computed.kv_pool import KVPool
+from computed.model import load_model
+from computed.model_runner import ModelRunner
+from computed.scheduler import Scheduler, SchedulerConfig
+from computed.sequence import SamplingParams
+from tests.computed.inprocess_directory import InProcessDirectory
+from tests.models import TinyModels
+
+BLOCK = 4
+NUM_BLOCKS = 64
+PROMPT = [11 + 7 * i % 300 for i in range(18)]  # 4 full blocks and 2 tokens
+
+
+class SilentDecoder:
+    """Token ids are what these tests check; text is not."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def build(tiny_models: TinyModels) -> tuple[Engine, InProcessDirectory]:
+    loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
+    c = loaded.config
+    pool = KVPool(c.num_layers, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim, torch.float32,
+                  torch.device("cpu"))
+    runner = ModelRunner(loaded.model, pool, BLOCK, torch.device("cpu"))
+    scheduler = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=256),
+                          eos_token_ids=())
+    directory = InProcessDirectory(BlockDirectory(), NUM_BLOCKS, BLOCK)
+    return Engine(scheduler, runner, directory), directory
+
+
+async def generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[GenerationChunk]:
+    _, queue = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                  SilentDecoder())
+    chunks = [await asyncio.wait_for(queue.get(), timeout=30)]
+    while chunks[-1].finish_reason is None:
+        chunks.append(await asyncio.wait_for(queue.get(), timeout=30))
+    return chunks
+
+
+def token_ids(chunks: list[GenerationChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def num_referenced_blocks(directory: InProcessDirectory) -> int:
+    return directory.directory.stats().total.num_referenced_blocks
+
+
+async def settle(engine: Engine) -> None:
+    """Let the loop ship the last releases (they ride on the next Step)."""
+    for _ in range(200):
+        if not engine.scheduler.has_work():
+            # The Step carrying them left the scheduler; a few loop turns let it land.
+            await asyncio.sleep(0.05)
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine kept work pending")
+
+
+def test_second_identical_prompt_is_served_from_cache(tiny_models: TinyModels) -> None:
+    async def run() -> None:
+        engine, directory = build(tiny_models)
+        await engine.start()
+        try:
+            assert engine.pool_id == directory.lease.pool_id
+            cold = await generate(engine, PROMPT, max_tokens=6)
+            await settle(engine)
+            assert num_referenced_blocks(directory) == 0, "a finished request keeps blocks referenced"
+            warm = await generate(engine, PROMPT, max_tokens=6)
+            await settle(engine)
+        finally:
+            await engine.stop(drain_seconds=1)
+        assert cold[-1].usage.cached_tokens == 0 and warm[-1].usage.cached_tokens == 16
+        assert cold[-1].finish_reason == warm[-1].finish_reason == "length"
+        assert token_ids(warm) == token_ids(cold), "the cached prefix changed the greedy tokens"
+        assert num_referenced_blocks(directory) == 0
+        assert engine.stats.num_prefill_tokens < 2 * len(PROMPT), "the warm prompt was recomputed"
+
+    asyncio.run(run())
+
+
+def test_cancelled_request_releases_its_blocks(tiny_models: TinyModels) -> None:
+    async def run() -> None:
+        engine, directory = build(tiny_models)
+        await engine.start()
+        try:
+            sequence_id, queue = engine.add_request(
+                PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), SilentDecoder())
+            first = await asyncio.wait_for(queue.get(), timeout=30)
+            assert first.token_ids and num_referenced_blocks(directory) > 0
+            engine.abort(sequence_id)
+            await settle(engine)
+            assert num_referenced_blocks(directory) == 0, "a cancelled request keeps blocks referenced"
+            last = first
+            while last.finish_reason is None:
+                last = queue.get_nowait()
+            assert last.finish_reason == "cancelled"
+        finally:
+            await engine.stop(drain_seconds=1)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("failure", ["step_fails", "blockd_restarts"])
+def test_lost_directory_is_recovered_once_and_requests_finish(tiny_models: TinyModels, failure: str) -> None:
+    async def run() -> None:
+        engine, directory = build(tiny_models)
+        await engine.start()
+        try:
+            reference = await generate(engine, PROMPT, max_tokens=4)
+            await settle(engine)
+            if failure == "step_fails":
+                directory.fail_next_step()
+            else:
+                directory.restart_blockd()
+            again = await generate(engine, PROMPT, max_tokens=4)
+            await settle(engine)
+        finally:
+            await engine.stop(drain_seconds=1)
+        assert token_ids(again) == token_ids(reference)
+        assert engine.stats.num_recoveries == 1 and not engine.needs_recovery
+        assert directory.num_recoveries == 2  # the start counts as the first
+        assert num_referenced_blocks(directory) == 0
+
+    asyncio.run(run())
