@@ -1,7 +1,7 @@
 """The committed default model folder loads with transformers and behaves like a tiny Python LM.
 
 These tests read the artifacts that `computed` serves without `--model`; they do not
-retrain (computed/default_model/train.py regenerates the folder).
+retrain (tools/train_default_model.py regenerates the folder).
 """
 
 import keyword
@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import computed
-from computed.default_model.train import HELD_OUT_FILES, SPECIAL_TOKENS, TrainConfig, stdlib_files
+from tools.train_default_model import HELD_OUT_FILES, SPECIAL_TOKENS, TrainConfig, stdlib_files
 
 MODEL_DIR = Path(computed.__file__).parent / "default_model"
 ARTIFACTS = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

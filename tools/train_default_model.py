@@ -4,7 +4,7 @@ Offline and self-contained: the corpus is the Python standard library's own sour
 (every machine has them), the tokenizer is a byte-level BPE trained on that corpus,
 and the model is a few-million-parameter Llama trained on CPU for a few minutes.
 
-    .venv/bin/python computed/default_model/train.py --out computed/default_model [--minutes N]
+    .venv/bin/python tools/train_default_model.py --out computed/default_model [--minutes N]
 
 transformers is a dev dependency: it is used here to build and save the model in the
 standard Hugging Face layout, never by the daemon itself.
@@ -426,7 +426,7 @@ grad clip {cfg.grad_clip}, seed {cfg.seed}, on CPU with {cfg.threads} threads (f
 bfloat16 autocast).
 {steps} steps ({tokens_seen:,} tokens) in {train_seconds:.0f} s ({sec_per_step:.2f} s/step; about 0.75 s
 on two idle cores, slower when other work shares the CPU); {total_seconds:.0f} s in all, run as
-`train.py {cli}`.
+`tools/train_default_model.py {cli}`.
 
 | loss (nats/token) | value |
 |---|---|
@@ -444,7 +444,7 @@ over consecutive {cfg.seq_len}-token windows. Greedy sample from `import ` (60 n
 ## Regenerate
 
 ```
-.venv/bin/python computed/default_model/train.py --out computed/default_model [--minutes 10]
+.venv/bin/python tools/train_default_model.py --out computed/default_model [--minutes 10]
 ```
 
 The default budget, 10 minutes, gave 635 steps on a lightly loaded machine (train loss
