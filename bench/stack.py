@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemons import Daemon, start_blockd, start_computed
+from clients.spawn import Daemon, start_blockd, start_computed
 
 if TYPE_CHECKING:
     from typing import Self

@@ -32,9 +32,7 @@ from rich.table import Table
 
 from clients.healthcheck import health_status
 from clients.render import output_console
-
-REPO = Path(__file__).resolve().parent.parent
-_LOG_TAIL_LINES = 40
+from clients.spawn import DaemonExited, DaemonTimeout, daemon_command, launch, wait_ready
 
 
 def python_command(*args: str) -> str:
@@ -74,16 +72,7 @@ class DaemonSpec:
     args: tuple[str, ...] = ()
 
     def command(self, ready_file: Path) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            self.module,
-            "--listen",
-            self.listen,
-            "--ready-file",
-            str(ready_file),
-            *self.args,
-        ]
+        return daemon_command(self.module, self.listen, ready_file, self.args)
 
 
 @dataclass(frozen=True)
@@ -178,18 +167,9 @@ class Stack:
         ready.unlink(missing_ok=True)
         log_path = self.run_dir / f"{spec.name}.log"
         command = spec.command(ready)
-        with open(log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )  # detached: survives this process
+        with open(log_path, "a") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
+        proc = launch(command, log_path, detached=True)  # detached: survives this process
         with open(log_path, "a") as log:
             log.write(f"=== pid {proc.pid}\n")
         self._children[proc.pid] = proc
@@ -199,21 +179,11 @@ class Stack:
         """Waits for the ready file and health SERVING; returns the bound address."""
         pid = _read_int(self.run_dir / f"{spec.name}.pid")
         assert pid is not None, f"{spec.name} has no pid file"
-        ready = self.run_dir / f"{spec.name}.ready"
-        deadline = time.monotonic() + timeout
-        health = "no ready file yet"
-        while time.monotonic() < deadline:
-            if not self._is_alive(pid):
-                raise StackError(f"{spec.name} exited during start-up:\n{self._log_tail(spec.name)}")
-            address = _read_text(ready)
-            if address:
-                health = health_status(address, timeout=1.0)
-                if health == "SERVING":
-                    return address
-            time.sleep(0.1)
-        raise StackError(
-            f"{spec.name} not SERVING after {timeout:.0f}s ({health}):\n{self._log_tail(spec.name)}"
-        )
+        try:
+            return wait_ready(spec.name, self.run_dir / f"{spec.name}.ready", self.run_dir / f"{spec.name}.log",
+                              lambda: self._is_alive(pid), timeout)
+        except (DaemonExited, DaemonTimeout) as error:
+            raise StackError(str(error)) from None
 
     def _stop(self, names: Sequence[str], grace: float) -> list[str]:
         stopped = []
@@ -263,11 +233,6 @@ class Stack:
                 return True
             time.sleep(0.05)
         return False
-
-    def _log_tail(self, name: str) -> str:
-        log = _read_text(self.run_dir / f"{name}.log") or "(empty log)"
-        lines = log.splitlines()[-_LOG_TAIL_LINES:]
-        return "\n".join(f"  | {line}" for line in lines)
 
 
 def _computed_name(index: int) -> str:

@@ -1,6 +1,6 @@
 """Helpers for the reliability tests: a live blockd + computed pair and the probes we run on it.
 
-Every test here drives real processes (`tests/daemons.py`) over loopback gRPC. The model
+Every test here drives real processes (`clients/spawn.py`) over loopback gRPC. The model
 is the tiny random Llama of `tests/models.py` with 4-token blocks, so short prompts span
 many blocks and a forward step costs milliseconds.
 """
@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.spawn import Daemon, spawn, start_blockd, start_computed
 from kvcache.v1 import directory_pb2 as dpb
 from kvcache.v1 import directory_pb2_grpc as dgrpc
 from kvcache.v1 import generation_pb2 as gpb
 from kvcache.v1 import generation_pb2_grpc as ggrpc
-from tests.daemons import Daemon, start_blockd, start_computed
 
 BLOCK = 4  # tokens per KV block in every stack here
 VOCAB = 400  # the tiny tokenizer's ids; the model's vocab is 512
@@ -228,8 +228,6 @@ def start_stack(
 def spawn_blockd(workdir: Path, args: list[str], listen: str | None = None, name: str = "blockd") -> Daemon:
     if listen is None:
         return start_blockd(workdir, *args, name=name)
-    from tests.daemons import spawn
-
     return spawn(name, "blockd", workdir, args, listen=listen)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.client import BlockdClient
-from tests.daemons import Daemon
+from clients.spawn import Daemon
 
 BLOCK_SIZE = 16
 POOL_BLOCKS = 9

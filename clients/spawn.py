@@ -1,0 +1,172 @@
+"""Starting blockd and computed as subprocesses: the one spawner of the tests, the
+benchmarks and the local stack runner (`clients.stack`).
+
+A daemon runs as `python -m MODULE --listen ADDR --ready-file F ARGS` (this interpreter,
+from the repository folder). It binds ADDR (port 0: a free one) and, once it serves,
+writes the bound address to F. A start is complete when F names an address and grpc
+health answers SERVING there; a `unix:` address is taken as ready once F is written.
+stdout and stderr are appended to one log file per daemon, which every start-up error
+quotes (its last lines, each prefixed with "  | ").
+
+This module imports neither daemon: each runs in its own interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clients.healthcheck import health_status
+
+REPO = Path(__file__).resolve().parent.parent
+LOG_TAIL_LINES = 40
+_POLL_SECONDS = 0.05
+
+
+class DaemonExited(RuntimeError):
+    """The daemon exited before it served; the message ends with its log tail."""
+
+
+class DaemonTimeout(TimeoutError):
+    """The daemon did not serve in time; the message ends with its log tail."""
+
+
+@dataclass
+class Daemon:
+    """A started daemon: its process, bound address, log file and full command line."""
+
+    name: str
+    proc: subprocess.Popen
+    address: str
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig` and wait; returns the exit code (kills after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL, timeout=10)
+
+
+def daemon_command(module: str, listen: str, ready_file: Path, args: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", module, "--listen", listen, "--ready-file", str(ready_file), *args]
+
+
+def launch(command: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
+           detached: bool = False) -> subprocess.Popen:
+    """Start `command` in the repository folder, output appended to `log_path`.
+
+    env: added to this process's environment. detached: a session of its own and no
+    stdin, so the daemon outlives the caller and a Ctrl-C in its terminal.
+    """
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdin=subprocess.DEVNULL if detached else None, start_new_session=detached,
+        )
+
+
+def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log, each prefixed with "  | "."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        text = ""
+    return "\n".join(f"  | {line}" for line in (text or "(empty log)").splitlines()[-lines:])
+
+
+def wait_ready(name: str, ready_file: Path, log_path: Path, is_alive: Callable[[], bool],
+               timeout: float, *, tail_lines: int = LOG_TAIL_LINES) -> str:
+    """Wait for the ready file, then for health SERVING; answers the bound address.
+
+    Raises DaemonExited when `is_alive` turns false first, DaemonTimeout after `timeout` s.
+    """
+    deadline = time.monotonic() + timeout
+    state = "no ready file yet"
+    while time.monotonic() < deadline:
+        if not is_alive():
+            raise DaemonExited(f"{name} exited during start-up:\n{log_tail(log_path, tail_lines)}")
+        address = _read_text(ready_file)
+        if address:
+            if address.startswith("unix:"):
+                return address
+            state = health_status(address, timeout=1.0)
+            if state == "SERVING":
+                return address
+        time.sleep(_POLL_SECONDS)
+    raise DaemonTimeout(f"{name} not SERVING after {timeout:.0f}s ({state}):\n{log_tail(log_path, tail_lines)}")
+
+
+def wait_serving(address: str, timeout: float = 60.0, service: str = "") -> None:
+    """Until grpc health of `address` says SERVING; DaemonTimeout after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    state = "not asked"
+    while time.monotonic() < deadline:
+        state = health_status(address, service=service, timeout=2.0)
+        if state == "SERVING":
+            return
+        time.sleep(_POLL_SECONDS)
+    raise DaemonTimeout(f"{address} not SERVING after {timeout}s: {state}")
+
+
+def spawn(name: str, module: str, workdir: Path, args: Sequence[str], env: Mapping[str, str] | None = None,
+          timeout: float = 120.0, listen: str = "127.0.0.1:0") -> Daemon:
+    """Start a daemon as a child of this process; answers it once it serves.
+
+    Files in `workdir`: `<name>.log` (appended) and `<name>.ready`. On a failed start the
+    process is killed and the error quotes the log (up to 200 lines).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready = workdir / f"{name}.ready"
+    ready.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    command = daemon_command(module, listen, ready, args)
+    proc = launch(command, log_path, env=env)
+    try:
+        address = wait_ready(name, ready, log_path, lambda: proc.poll() is None, timeout, tail_lines=200)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        raise
+    return Daemon(name, proc, address, log_path, command)
+
+
+def start_blockd(workdir: Path, *args: str, env: Mapping[str, str] | None = None, name: str = "blockd") -> Daemon:
+    return spawn(name, "blockd", workdir, list(args), env=env)
+
+
+def start_computed(workdir: Path, blockd_address: str, *args: str, model: str | Path | None = None,
+                   env: Mapping[str, str] | None = None, name: str = "computed") -> Daemon:
+    extra = ["--blockd", blockd_address]
+    if model is not None:
+        extra += ["--model", str(model)]
+    return spawn(name, "computed", workdir, extra + list(args), env=env, timeout=300.0)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
