@@ -17,6 +17,7 @@ from computed.directory_ops import (
     GrowOp,
     ResyncSequence,
 )
+from computed.prefix_wait import PrefixLeaders
 from computed.sequence import Sequence, SequenceId, SequenceStatus
 
 
@@ -131,13 +132,25 @@ class Scheduler:
         return seq.num_tokens, min(seq.num_tokens + 1, limit)
 
     def _plan_admits(self, ops: DirectoryOps) -> list[AdmitOp]:
+        """Admit waiting sequences in order, while seats and (roughly) blocks last. One whose
+        prefix an admitted sequence is still computing waits for it (PrefixLeaders) and
+        hits those blocks a step later; later requests with other prefixes go ahead."""
         admits: list[AdmitOp] = []
         budget = self._num_available_blocks
         if budget is not None:
             budget -= sum(1 for g in ops.grows)
+        leaders = PrefixLeaders(self.config.block_size)
+        for seq in self.running:
+            if seq.is_prefilling:
+                leaders.add(seq, seq.num_committed_blocks)
+        for seq in self._admitting.values():
+            leaders.add(seq, 0)
+        admitted: list[Sequence] = []
         for seq in self.waiting:
             if len(self.running) + len(admits) >= self.config.max_num_seqs:
                 break
+            if leaders.should_wait(seq):
+                continue
             blocks = -(-seq.num_tokens // self.config.block_size)
             # Blocks may come back as cache hits, so this only stops obvious misses;
             # blockd has the final word (admitted=False changes nothing).
@@ -145,10 +158,15 @@ class Scheduler:
                 break
             admits.append(AdmitOp(seq.sequence_id, list(seq.token_ids), seq.cache_salt,
                                   seq.public_prefix_tokens))
+            admitted.append(seq)
+            leaders.add(seq, 0)
             if budget is not None:
                 budget -= blocks
-        for admit in admits:
-            self._admitting[admit.sequence_id] = self.waiting.popleft()
+        if admitted:
+            taken = {seq.sequence_id for seq in admitted}
+            self.waiting = deque(seq for seq in self.waiting if seq.sequence_id not in taken)
+            for seq in admitted:
+                self._admitting[seq.sequence_id] = seq
         return admits
 
     def apply_result(self, ops: DirectoryOps, result: DirectoryResult) -> None:

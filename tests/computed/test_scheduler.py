@@ -215,3 +215,32 @@ def test_sequence_longer_than_the_pool_finishes_with_length():
     assert seq.finish_reason == "length"
     assert seq.completion_token_ids == reference(seq.prompt_token_ids, seq.num_completion_tokens)
     assert h.directory.stats(h.pool_id).total.num_referenced_blocks == 0
+
+
+def test_requests_arriving_together_compute_their_common_prefix_once():
+    """16 prompts with one 32-block prefix, added at once: the first computes the prefix,
+    the others wait for its blocks (not admitted beside it as misses) and hit them."""
+    h = Harness(num_blocks=512, max_num_batched_tokens=64)
+    rng = random.Random(7)
+    prefix = rand_prompt(rng, 32 * 4)
+    prompts = [prefix + rand_prompt(rng, 6) for _ in range(16)]
+    seqs = [h.add(p, 3) for p in prompts]
+    other = h.add(rand_prompt(rng, 20), 3)  # an unrelated request is not held back
+    first = h.scheduler.plan_ops()
+    assert [a.sequence_id for a in first.admits] == [seqs[0].sequence_id, other.sequence_id]
+    h.scheduler.apply_result(first, h.step_directory(first))
+    h.run()
+    for seq, p in zip(seqs, prompts):
+        assert seq.completion_token_ids == reference(p, 3)
+    assert seqs[0].num_cached_tokens == 0
+    assert all(seq.num_cached_tokens == 32 * 4 for seq in seqs[1:])
+    # The prefix once, each request's 6-token tail, 2 decode steps each, and the other request.
+    assert h.num_model_tokens == 32 * 4 + 16 * (6 + 2) + 20 + 2
+
+
+def test_a_salted_request_does_not_wait_for_an_unsalted_prefix():
+    h = Harness(num_blocks=256)
+    p = rand_prompt(random.Random(8), 16 * 4 + 2)
+    a, b = h.add(p, 2), h.add(p, 2, salt="tenant-b")
+    ops = h.scheduler.plan_ops()
+    assert [x.sequence_id for x in ops.admits] == [a.sequence_id, b.sequence_id]
