@@ -13,6 +13,11 @@ admissions, releases them, and admits `ADMITS_PER_STEP` new 4,096-token prompts
 - naive: the same work with one Step per block (admit the first block, then grow and
   commit block by block, then release).
 
+Side by side, the same closed loop runs against an echo server (this module with
+--echo: it parses each Step as blockd does and answers at once, every prompt admitted
+with half its blocks cached): the ceiling that gRPC, the client and the machine allow,
+so `batched_over_ceiling` says how close blockd's own work lets it come.
+
 The batched workers write their requests with `StepWriter` (cached wire bytes of the
 prompts' blocks) rather than building protobuf messages from 24K-int lists per Step:
 building them, the client alone capped this benchmark at ~1,400 admissions/s on a
@@ -51,22 +56,19 @@ SYSTEM_PROMPT = [random.Random(1).randrange(128_000) for _ in range(SHARED_PREFI
 
 
 def start_blockd(workdir: Path) -> tuple[subprocess.Popen, str]:
-    ready = workdir / "blockd.ready"
-    with open(workdir / "blockd.log", "wb") as log:  # the child keeps its own descriptor
+    args = ["-m", "blockd", "--listen", "127.0.0.1:0", "--lease-ttl", "60", "--log-format", "json"]
+    return _start(workdir, "blockd", args)
+
+
+def start_echo(workdir: Path) -> tuple[subprocess.Popen, str]:
+    return _start(workdir, "echo", ["-m", "bench.blockd_grpc", "--echo"])
+
+
+def _start(workdir: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, str]:
+    ready = workdir / f"{name}.ready"
+    with open(workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "blockd",
-                "--listen",
-                "127.0.0.1:0",
-                "--ready-file",
-                str(ready),
-                "--lease-ttl",
-                "60",
-                "--log-format",
-                "json",
-            ],
+            [sys.executable, *args, "--ready-file", str(ready)],
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -74,9 +76,37 @@ def start_blockd(workdir: Path) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 60
     while not (ready.exists() and ready.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"blockd did not start: {(workdir / 'blockd.log').read_text()}")
+            raise RuntimeError(f"{name} did not start: {(workdir / f'{name}.log').read_text()}")
         time.sleep(0.05)
     return proc, ready.read_text().strip()
+
+
+class EchoService(pb_grpc.BlockDirectoryServiceServicer):
+    """Answers at once: the transport ceiling (see the module docstring)."""
+
+    async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
+        return pb.RegisterPoolResponse(pool_id="echo", epoch=1, lease_ttl_seconds=60)
+
+    async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
+        block_ids = range(PROMPT_TOKENS // BLOCK_SIZE)
+        reply = pb.StepResponse()
+        for op in request.admits:
+            reply.admits.add(
+                sequence_id=op.sequence_id,
+                admitted=True,
+                block_ids=block_ids,
+                num_cached_tokens=SHARED_PREFIX,
+            )
+        return reply
+
+
+async def serve_echo(ready_file: Path) -> None:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    pb_grpc.add_BlockDirectoryServiceServicer_to_server(EchoService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ready_file.write_text(f"127.0.0.1:{port}\n")
+    await server.wait_for_termination()
 
 
 def _varint(value: int) -> bytes:
@@ -270,8 +300,9 @@ def _ms(latencies: list[float], percentile: int) -> float:
     return round(statistics.quantiles(latencies, n=100)[percentile - 1] * 1e3, 2)
 
 
-async def run(address: str, seconds: float) -> dict:
+async def run(address: str, echo_address: str, seconds: float) -> dict:
     closed_rate, closed = await _batched(address, seconds, None)
+    ceiling, _ = await _batched(echo_address, seconds, None)
     offered = closed_rate * OPEN_LOOP_LOAD
     period = NUM_WORKERS * ADMITS_PER_STEP / offered  # seconds between one worker's Steps
     open_rate, open_loop = await _batched(address, seconds, period)
@@ -284,6 +315,8 @@ async def run(address: str, seconds: float) -> dict:
         "workers": NUM_WORKERS,
         "admits_per_step": ADMITS_PER_STEP,
         "batched_admissions_per_s": round(closed_rate, 1),
+        "transport_ceiling_admissions_per_s": round(ceiling, 1),
+        "batched_over_ceiling": round(closed_rate / ceiling, 2),
         "batched_tokens_per_s": round(closed_rate * PROMPT_TOKENS),
         "step_p50_ms": _ms(closed, 50),
         "step_p99_ms": _ms(closed, 99),
@@ -301,9 +334,12 @@ def main(quick: bool = False) -> dict:
     StepWriter.check()
     with tempfile.TemporaryDirectory() as workdir:
         proc, address = start_blockd(Path(workdir))
+        echo, echo_address = start_echo(Path(workdir))
         try:
-            figures = asyncio.run(run(address, seconds))
+            figures = asyncio.run(run(address, echo_address, seconds))
         finally:
+            echo.terminate()
+            echo.wait(30)
             proc.terminate()
             exit_code = proc.wait(30)
     figures["batched_over_naive"] = round(
@@ -324,6 +360,10 @@ def main(quick: bool = False) -> dict:
         f"({OPEN_LOOP_LOAD:.0%} of the maximum; {figures['open_loop_admissions_per_s']} served): "
         f"Step p50 {figures['open_loop_step_p50_ms']} ms, p99 {figures['open_loop_step_p99_ms']} ms"
     )
+    print(
+        f"  echo server (gRPC, client and machine only): {figures['transport_ceiling_admissions_per_s']} "
+        f"admissions/s; blockd / echo = {figures['batched_over_ceiling']}"
+    )
     print(f"  naive (one Step per block): {figures['naive_admissions_per_s']} admissions/s")
     print(
         f"  batched / naive = {figures['batched_over_naive']}x; prefix hit rate {figures['hit_rate_tokens']}"
@@ -334,4 +374,10 @@ def main(quick: bool = False) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 s per mode instead of 15 s")
-    main(parser.parse_args().quick)
+    parser.add_argument("--echo", action="store_true", help="serve the echo server instead (internal)")
+    parser.add_argument("--ready-file", type=Path, help="with --echo: write its address here")
+    args = parser.parse_args()
+    if args.echo:
+        asyncio.run(serve_echo(args.ready_file))
+    else:
+        main(args.quick)
