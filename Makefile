@@ -33,7 +33,7 @@ proto-check: install
 	$(BIN)/buf lint
 
 lint: install proto-check
-	$(BIN)/ruff check blockd computed clients tests bench
+	$(BIN)/ruff check blockd computed clients tests bench tools
 
 test: install
 	$(BIN)/buf lint

@@ -88,7 +88,7 @@ def build_checkpoint(path, overrides: dict, dtype: str):
     import torch
     import transformers
 
-    from tests.models import make_tiny_model
+    from tools.tiny_models import make_tiny_model
 
     make_tiny_model(path, "qwen3", num_hidden_layers=1)  # tokenizer, generation config
     tiny = transformers.AutoConfig.from_pretrained(path)

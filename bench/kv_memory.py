@@ -20,9 +20,9 @@ from bench.context import BenchContext
 from bench.report import BenchResult, Figure, Goal
 from blockd.directory import BlockDirectory
 from blockd.types import AdmitOp, CommitOp, Namespace
+from clients.spawn import start_blockd
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
-from tests.daemons import start_blockd
 
 TITLE = "7. KV memory"
 

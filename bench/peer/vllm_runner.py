@@ -21,7 +21,8 @@ import time
 
 
 def main() -> None:
-    request = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as f:
+        request = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("kv_cache_gib", 4)))
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -40,7 +41,8 @@ def main() -> None:
             if best is None or sum(run["round_walls"]) < sum(best["round_walls"]):
                 best = run
         results.append(best)
-    json.dump({"vllm_version": _version(), "results": results}, open(sys.argv[2], "w"))
+    with open(sys.argv[2], "w") as f:
+        json.dump({"vllm_version": _version(), "results": results}, f)
 
 
 def _run(llm, workload: dict, params, tokens_prompt) -> dict:
