@@ -10,7 +10,7 @@ COMPUTED_ADDR ?= 127.0.0.1:50052
 COMPUTED2_ADDR ?= 127.0.0.1:50053
 PYTEST_ARGS ?=
 
-.PHONY: install proto proto-check test test-slow lint bench bench-quick bench-peer up up2 down demo clean
+.PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer up up2 down demo clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ proto-check: install
 
 lint: install proto-check
 	$(BIN)/ruff check blockd computed clients tests bench tools
+	$(BIN)/ruff format --check blockd computed clients tests bench tools
+
+format: install
+	$(BIN)/ruff format blockd computed clients tests bench tools
+	$(BIN)/ruff check --fix blockd computed clients tests bench tools
 
 test: install
 	$(BIN)/buf lint

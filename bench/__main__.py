@@ -54,16 +54,32 @@ SECTIONS = {**BENCHMARKS, **ON_REQUEST}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes (CI); writes run/bench-quick/ instead of BENCHMARKS.md")
-    parser.add_argument("--only", action="append", choices=list(SECTIONS), metavar="NAME",
-                        help=f"run only this benchmark (repeatable): {', '.join(SECTIONS)}")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads of every process that runs a model: computed and the "
-                             "transformers baseline alike (0, the default: torch's default, every core, as "
-                             "each library runs out of the box)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="report folder (default: the repository root; run/bench-quick with --quick)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes (CI); writes run/bench-quick/ instead of BENCHMARKS.md",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=list(SECTIONS),
+        metavar="NAME",
+        help=f"run only this benchmark (repeatable): {', '.join(SECTIONS)}",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of every process that runs a model: computed and the "
+        "transformers baseline alike (0, the default: torch's default, every core, as "
+        "each library runs out of the box)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report folder (default: the repository root; run/bench-quick with --quick)",
+    )
     return parser.parse_args(argv)
 
 
@@ -124,10 +140,12 @@ def _run_one(name: str, ctx: BenchContext, machine: dict, console: Console) -> B
 def _header(quick: bool) -> str:
     mode = "quick mode: CI sizes, the numbers are smoke checks, not results" if quick else "full mode"
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"# Benchmarks\n\nWritten by `python -m bench{' --quick' if quick else ''}` ({mode}); "
-            f"last run {when}. Every figure is a ratio of two things measured side by side in the same "
-            f"run, on a machine shared with other work, so absolute times are noisy and the ratios are "
-            f"what to read. Each section names the machine it ran on and the command that reproduces it.")
+    return (
+        f"# Benchmarks\n\nWritten by `python -m bench{' --quick' if quick else ''}` ({mode}); "
+        f"last run {when}. Every figure is a ratio of two things measured side by side in the same "
+        f"run, on a machine shared with other work, so absolute times are noisy and the ratios are "
+        f"what to read. Each section names the machine it ran on and the command that reproduces it."
+    )
 
 
 if __name__ == "__main__":

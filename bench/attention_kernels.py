@@ -41,19 +41,19 @@ def timed(fn, repeats: int = 20) -> float:
 def fold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # q (I, Q, H, D), k/v (I, L, Hkv, D)
     items, width_q = q.shape[:2]
     qf = q.view(items, width_q, KV_HEADS, GROUP, DIM).permute(0, 2, 1, 3, 4).reshape(items, KV_HEADS, -1, DIM)
-    return FLASH(qf, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, scale=DIM ** -0.5)
+    return FLASH(qf, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, scale=DIM**-0.5)
 
 
 def repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     kh = k.transpose(1, 2).repeat_interleave(GROUP, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(GROUP, dim=1)
-    return FLASH(q.transpose(1, 2), kh, vh, 0.0, False, scale=DIM ** -0.5)
+    return FLASH(q.transpose(1, 2), kh, vh, 0.0, False, scale=DIM**-0.5)
 
 
 def matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     items, width_q = q.shape[:2]
     qf = q.view(items, width_q, KV_HEADS, GROUP, DIM).permute(0, 2, 1, 3, 4).reshape(items, KV_HEADS, -1, DIM)
-    scores = qf @ k.permute(0, 2, 3, 1) * DIM ** -0.5
+    scores = qf @ k.permute(0, 2, 3, 1) * DIM**-0.5
     lse = scores.logsumexp(dim=-1, keepdim=True)
     return (scores - lse).exp_() @ v.transpose(1, 2), lse
 
@@ -65,8 +65,10 @@ def main() -> None:
 
         keep_large_buffers()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator thresholds "
-          f"{'raised (computed)' if tuned else 'glibc default'}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, allocator thresholds "
+        f"{'raised (computed)' if tuned else 'glibc default'}"
+    )
     print(f"{'tile':40} {'I x Qm x Lm':>18} {'fold':>8} {'repeat':>8} {'matmul':>8}  (ms)")
     for what, items, width_q, width_k in SHAPES:
         q = torch.randn(items, width_q, HEADS, DIM)
@@ -78,8 +80,10 @@ def main() -> None:
     blocks = torch.randint(0, 16384, (64 * 70,))
     slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)
     by_block = pool.view(16384, -1)
-    print(f"gather 64 x 1,120 slots of K: by slot {timed(lambda: pool.index_select(0, slots)):.2f} ms, "
-          f"by block {timed(lambda: by_block.index_select(0, blocks)):.2f} ms")
+    print(
+        f"gather 64 x 1,120 slots of K: by slot {timed(lambda: pool.index_select(0, slots)):.2f} ms, "
+        f"by block {timed(lambda: by_block.index_select(0, blocks)):.2f} ms"
+    )
 
 
 if __name__ == "__main__":

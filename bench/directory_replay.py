@@ -14,8 +14,13 @@ from blockd.directory import BlockDirectory
 from blockd.types import AdmitOp, CommitOp, Namespace, ReleaseOp
 
 
-def replay_directory(trace: Sequence[Sequence[int]], num_blocks: int, block_size: int,
-                     policy: str = "lru", commit_limits: Sequence[int] | None = None) -> ReplayResult:
+def replay_directory(
+    trace: Sequence[Sequence[int]],
+    num_blocks: int,
+    block_size: int,
+    policy: str = "lru",
+    commit_limits: Sequence[int] | None = None,
+) -> ReplayResult:
     """`commit_limits[i]`: commit only request i's blocks within its first that many tokens
     (a diagnostic: what the policy would do if unique suffixes were never cached)."""
     directory = BlockDirectory(DirectoryConfig(eviction_policy=policy), clock=lambda: 0.0)
@@ -29,7 +34,9 @@ def replay_directory(trace: Sequence[Sequence[int]], num_blocks: int, block_size
         first = result.num_cached_tokens // block_size
         limit = len(prompt) if commit_limits is None else min(len(prompt), commit_limits[seq_id])
         last = max(first, limit // block_size)
-        commits = [CommitOp(seq_id, result.block_ids[first:last], prompt[first * block_size:last * block_size])]
+        commits = [
+            CommitOp(seq_id, result.block_ids[first:last], prompt[first * block_size : last * block_size])
+        ]
         directory.step(pool, epoch, commits=commits if last > first else [], releases=[ReleaseOp(seq_id)])
         hit_tokens += result.num_cached_tokens
         hits_of.append(result.num_cached_tokens)

@@ -39,14 +39,16 @@ class RunOutcome:
         return sum(o.cached_tokens for o in self.outcomes)
 
 
-async def generate_one(client: AsyncComputedClient, token_ids: Sequence[int], max_tokens: int,
-                       timeout: float = 600.0) -> Outcome:
+async def generate_one(
+    client: AsyncComputedClient, token_ids: Sequence[int], max_tokens: int, timeout: float = 600.0
+) -> Outcome:
     started = time.perf_counter()
     first: float | None = None
     tokens: list[int] = []
     usage = None
-    stream = client.generate(token_ids=list(token_ids), max_tokens=max_tokens, ignore_eos=True,
-                             temperature=0.0, timeout=timeout)
+    stream = client.generate(
+        token_ids=list(token_ids), max_tokens=max_tokens, ignore_eos=True, temperature=0.0, timeout=timeout
+    )
     async for chunk in stream:
         if chunk.token_ids and first is None:
             first = time.perf_counter()
@@ -55,12 +57,20 @@ async def generate_one(client: AsyncComputedClient, token_ids: Sequence[int], ma
             usage = chunk.usage
     ended = time.perf_counter()
     assert usage is not None, "the stream ended without usage"
-    return Outcome(tuple(tokens), usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
-                   (first or ended) - started, ended - started, usage.time_to_first_token_seconds)
+    return Outcome(
+        tuple(tokens),
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.completion_tokens,
+        (first or ended) - started,
+        ended - started,
+        usage.time_to_first_token_seconds,
+    )
 
 
-async def run_requests(address: str, prompts: Sequence[Sequence[int]], max_tokens: int,
-                       concurrency: int) -> RunOutcome:
+async def run_requests(
+    address: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int
+) -> RunOutcome:
     """All prompts through one channel, `concurrency` streams at a time."""
     async with AsyncComputedClient(address) as client:
         gate = asyncio.Semaphore(concurrency)

@@ -41,22 +41,38 @@ def run(ctx: BenchContext) -> BenchResult:
 
     headline = next((r for r in rows if r["pool"] == HEADLINE_POOL), rows[0])
     figures = [
-        Figure(f"ours (lru) ÷ optimum, pool {headline['pool']}", round(of_opt(headline, "lru"), 3), "",
-               Goal(">=", GOAL_OF_OPTIMUM)),
+        Figure(
+            f"ours (lru) ÷ optimum, pool {headline['pool']}",
+            round(of_opt(headline, "lru"), 3),
+            "",
+            Goal(">=", GOAL_OF_OPTIMUM),
+        ),
         Figure(f"vLLM-style ÷ optimum, pool {headline['pool']}", round(of_opt(headline, "vllm"), 3)),
-        Figure("ours (lru) ÷ optimum, worst pool", round(min(of_opt(r, "lru") for r in rows), 3), "",
-               Goal(">=", GOAL_OF_OPTIMUM)),
-        Figure("ours (lru) ÷ vLLM-style, worst pool",
-               round(min(r["lru"].hit_tokens / r["vllm"].hit_tokens for r in rows), 3), "", Goal(">=", 1.0)),
+        Figure(
+            "ours (lru) ÷ optimum, worst pool",
+            round(min(of_opt(r, "lru") for r in rows), 3),
+            "",
+            Goal(">=", GOAL_OF_OPTIMUM),
+        ),
+        Figure(
+            "ours (lru) ÷ vLLM-style, worst pool",
+            round(min(r["lru"].hit_tokens / r["vllm"].hit_tokens for r in rows), 3),
+            "",
+            Goal(">=", 1.0),
+        ),
         Figure(f"blockd lfu policy ÷ optimum, pool {headline['pool']}", round(of_opt(headline, "lfu"), 3)),
     ]
-    header = ("| pool (blocks) | optimum hit rate | ours lru ÷ opt | vLLM-style ÷ opt | lfu ÷ opt | "
-              "lru, suffixes not cached ÷ opt | evictions opt / lru / vLLM |")
+    header = (
+        "| pool (blocks) | optimum hit rate | ours lru ÷ opt | vLLM-style ÷ opt | lfu ÷ opt | "
+        "lru, suffixes not cached ÷ opt | evictions opt / lru / vLLM |"
+    )
     table = [header, "|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append(f"| {r['pool']:,} | {r['opt'].hit_rate:.3f} | {of_opt(r, 'lru'):.3f} | "
-                     f"{of_opt(r, 'vllm'):.3f} | {of_opt(r, 'lfu'):.3f} | {of_opt(r, 'lru_ns'):.3f} | "
-                     f"{r['opt'].num_evictions:,} / {r['lru'].num_evictions:,} / {r['vllm'].num_evictions:,} |")
+        table.append(
+            f"| {r['pool']:,} | {r['opt'].hit_rate:.3f} | {of_opt(r, 'lru'):.3f} | "
+            f"{of_opt(r, 'vllm'):.3f} | {of_opt(r, 'lfu'):.3f} | {of_opt(r, 'lru_ns'):.3f} | "
+            f"{r['opt'].num_evictions:,} / {r['lru'].num_evictions:,} / {r['vllm'].num_evictions:,} |"
+        )
     split = _loss_by_popularity(trace, headline)
     plot = "eviction_quality.png"
     _plot(rows, ctx.plot_dir / plot)
@@ -70,10 +86,11 @@ def run(ctx: BenchContext) -> BenchResult:
         f"a time: admit, commit every full block, release. Hit rates count full-block hit tokens ÷ prompt "
         f"tokens.\n\n" + "\n".join(table) + "\n\n"
         "Diagnostic columns: `lfu` is blockd's other built-in policy (`--eviction-policy lfu`); "
-        "\"suffixes not cached\" is lru when each request commits only the blocks of its family prefix "
+        '"suffixes not cached" is lru when each request commits only the blocks of its family prefix '
         "(an oracle that never caches a block no later request can hit) — the gap it closes is what "
         "never-reused blocks cost lru; lfu shows how much of the rest is recency without frequency.\n\n"
-        + split)
+        + split
+    )
     return BenchResult("eviction", TITLE, figures, details, [plot])
 
 
@@ -99,13 +116,15 @@ def _loss_by_popularity(trace, row: dict) -> str:
     returning = [f for f in by_heat if counts[f] / num_requests >= 1 / window]
     lost = [o - lru for o, lru in zip(row["opt"].hits, row["lru"].hits)]
     lost_hot = sum(x for x, f in zip(lost, trace.family_ids) if f in hot) / max(1, sum(lost))
-    return (f"Capacity arithmetic at pool {pool}: it holds the prefixes of the {fit} most requested families "
-            f"({hot_share:.0%} of requests), which a frequency-aware choice can keep resident; it also holds "
-            f"only about {window:.0f} requests' worth of blocks (mean {per_request:.0f} each), so under lru a "
-            f"family's prefix survives only if it comes back within about {window:.0f} requests, i.e. at a "
-            f"rate of at least 1/{window:.0f}, which {len(returning)} of the {len(counts)} families do. Measured: "
-            f"{lost_hot:.0%} of the hit tokens lru misses against the optimum are in requests of those "
-            f"{fit} families.")
+    return (
+        f"Capacity arithmetic at pool {pool}: it holds the prefixes of the {fit} most requested families "
+        f"({hot_share:.0%} of requests), which a frequency-aware choice can keep resident; it also holds "
+        f"only about {window:.0f} requests' worth of blocks (mean {per_request:.0f} each), so under lru a "
+        f"family's prefix survives only if it comes back within about {window:.0f} requests, i.e. at a "
+        f"rate of at least 1/{window:.0f}, which {len(returning)} of the {len(counts)} families do. Measured: "
+        f"{lost_hot:.0%} of the hit tokens lru misses against the optimum are in requests of those "
+        f"{fit} families."
+    )
 
 
 def _plot(rows: list[dict], path) -> None:
@@ -117,11 +136,19 @@ def _plot(rows: list[dict], path) -> None:
 
     pools = [r["pool"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, label in (("opt", "Belady optimum"), ("lfu", "blockd lfu"), ("lru", "blockd lru (default)"),
-                        ("vllm", "vLLM-style")):
+    for name, label in (
+        ("opt", "Belady optimum"),
+        ("lfu", "blockd lfu"),
+        ("lru", "blockd lru (default)"),
+        ("vllm", "vLLM-style"),
+    ):
         ax.plot(pools, [r[name].hit_rate for r in rows], "o-", label=label)
-    ax.set(xscale="log", xlabel="pool size (blocks of 16 tokens)", ylabel="hit tokens ÷ prompt tokens",
-           title="Prefix-cache hit rate on a Zipf trace")
+    ax.set(
+        xscale="log",
+        xlabel="pool size (blocks of 16 tokens)",
+        ylabel="hit tokens ÷ prompt tokens",
+        title="Prefix-cache hit rate on a Zipf trace",
+    )
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(pools, [str(p) for p in pools])
     ax.legend()

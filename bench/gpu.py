@@ -22,9 +22,18 @@ from bench.stack import Stack
 TITLE = "8. GPU mode"
 
 # Qwen3-0.6B's published config (hidden 1024, 28 layers, 16/8 heads of 128, vocab 151,936).
-QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
-              "max_position_embeddings": 40_960, "tie_word_embeddings": True, "rope_theta": 1_000_000.0}
+QWEN3_0_6B = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151_936,
+    "max_position_embeddings": 40_960,
+    "tie_word_embeddings": True,
+    "rope_theta": 1_000_000.0,
+}
 HF_BATCH = 64
 
 
@@ -32,11 +41,17 @@ def run(ctx: BenchContext) -> BenchResult:
     import torch
 
     if not torch.cuda.is_available():
-        reason = (f"skipped: torch.cuda.is_available() is False (torch {torch.__version__}, "
-                  f"{'a CPU-only build' if torch.version.cuda is None else 'no usable CUDA device'})")
-        return BenchResult("gpu", TITLE, [Figure("GPU throughput", reason)],
-                           "This machine has no GPU, so the GPU workload did not run. On a CUDA host, "
-                           "`python -m bench --only gpu` runs it.")
+        reason = (
+            f"skipped: torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"{'a CPU-only build' if torch.version.cuda is None else 'no usable CUDA device'})"
+        )
+        return BenchResult(
+            "gpu",
+            TITLE,
+            [Figure("GPU throughput", reason)],
+            "This machine has no GPU, so the GPU workload did not run. On a CUDA host, "
+            "`python -m bench --only gpu` runs it.",
+        )
     num_seqs = 32 if ctx.quick else 256
     return measure(ctx, "cuda", QWEN3_0_6B, num_seqs, max_len=1024)
 
@@ -58,8 +73,18 @@ def measure(ctx: BenchContext, device: str, overrides: dict, num_seqs: int, max_
     model_dir = build_checkpoint(ctx.scratch("gpu") / "qwen3", overrides, dtype)
     prompts, outputs = workload(num_seqs, max_len)
     num_tokens = sum(len(p) + o for p, o in zip(prompts, outputs))
-    args = ("--device", device, "--dtype", dtype, "--max-num-seqs", str(num_seqs),
-            "--max-num-batched-tokens", "16384", "--max-model-len", str(2 * max_len + 16))
+    args = (
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(num_seqs),
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-model-len",
+        str(2 * max_len + 16),
+    )
     if device == "cpu":
         args += ("--num-blocks", str(num_tokens // 16 + 2 * num_seqs + 64))
     with Stack(ctx.scratch("gpu"), *args, model=model_dir, threads=ctx.threads) as stack:
@@ -73,12 +98,16 @@ def measure(ctx: BenchContext, device: str, overrides: dict, num_seqs: int, max_
     assert theirs.num_output_tokens == total
     ours_tps, hf_tps = total / ours, total / theirs.wall_s
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    figures = [Figure("ours ÷ transformers, output tok/s", round(ours_tps / hf_tps, 2), "x"),
-               Figure("ours, output tok/s", round(ours_tps, 1), "tok/s"),
-               Figure("transformers, output tok/s", round(hf_tps, 1), "tok/s")]
-    details = (f"{num_seqs} sequences, input and output lengths uniform in {min(100, max_len)}-{max_len}, "
-               f"{total:,} output "
-               f"tokens, on {gpu}; computed `{' '.join(args)}`; transformers batch {HF_BATCH}.")
+    figures = [
+        Figure("ours ÷ transformers, output tok/s", round(ours_tps / hf_tps, 2), "x"),
+        Figure("ours, output tok/s", round(ours_tps, 1), "tok/s"),
+        Figure("transformers, output tok/s", round(hf_tps, 1), "tok/s"),
+    ]
+    details = (
+        f"{num_seqs} sequences, input and output lengths uniform in {min(100, max_len)}-{max_len}, "
+        f"{total:,} output "
+        f"tokens, on {gpu}; computed `{' '.join(args)}`; transformers batch {HF_BATCH}."
+    )
     return BenchResult("gpu", TITLE, figures, details)
 
 
@@ -92,8 +121,9 @@ def build_checkpoint(path, overrides: dict, dtype: str):
 
     make_tiny_model(path, "qwen3", num_hidden_layers=1)  # tokenizer, generation config
     tiny = transformers.AutoConfig.from_pretrained(path)
-    config = transformers.Qwen3Config(**{**QWEN3_0_6B, **overrides, "bos_token_id": tiny.bos_token_id,
-                                         "eos_token_id": tiny.eos_token_id})
+    config = transformers.Qwen3Config(
+        **{**QWEN3_0_6B, **overrides, "bos_token_id": tiny.bos_token_id, "eos_token_id": tiny.eos_token_id}
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
     for stale in path.glob("*.safetensors*"):

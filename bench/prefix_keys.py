@@ -22,7 +22,7 @@ class PrefixKeys:
         keys: list[int] = []
         parent = -1
         for start in range(0, len(token_ids) - bs + 1, bs):
-            ident = (parent, tuple(token_ids[start:start + bs]))
+            ident = (parent, tuple(token_ids[start : start + bs]))
             parent = self._ids.setdefault(ident, len(self._ids))
             keys.append(parent)
         return keys

@@ -45,9 +45,23 @@ class PySpy:
     def __enter__(self) -> Self:
         exe = _executable()
         assert exe is not None, "py-spy is not installed"
-        self._proc = subprocess.Popen([exe, "record", "-p", str(self.pid), "-f", "raw", "-o", str(self.out),
-                                       "-r", str(self.rate), "--nonblocking"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [
+                exe,
+                "record",
+                "-p",
+                str(self.pid),
+                "-f",
+                "raw",
+                "-o",
+                str(self.out),
+                "-r",
+                str(self.rate),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(1.0)  # attach before the workload starts
         return self
 
@@ -81,14 +95,23 @@ def summarize(raw: Path, top: int = 8) -> str:
             inclusive[name] += n
     if total == 0:
         return "(py-spy recorded no samples)"
-    skip = ("threading.py", "concurrent/futures", "_contextlib.py", "runpy", "asyncio/runners.py",
-            "module.py", "computed/__main__.py")
+    skip = (
+        "threading.py",
+        "concurrent/futures",
+        "_contextlib.py",
+        "runpy",
+        "asyncio/runners.py",
+        "module.py",
+        "computed/__main__.py",
+    )
     rows = ["| own time | source line | | inclusive | function |", "|---|---|---|---|---|"]
     inc = [(k, v) for k, v in inclusive.most_common() if not any(s in k for s in skip)][:top]
     for (o_name, o_n), (i_name, i_n) in zip(own.most_common(top), inc):
         code = _source(o_name)
-        rows.append(f"| {o_n / total:.1%} | `{o_name}`{f': `{code}`' if code else ''} | | {i_n / total:.1%} | "
-                    f"`{i_name}` |")
+        rows.append(
+            f"| {o_n / total:.1%} | `{o_name}`{f': `{code}`' if code else ''} | | {i_n / total:.1%} | "
+            f"`{i_name}` |"
+        )
     return f"{total:,} samples.\n\n" + "\n".join(rows)
 
 
@@ -104,6 +127,6 @@ def _short(frame: str, keep_line: bool) -> str:
     match = _LOCATION.search(frame)
     if match is None:
         return frame
-    function = frame[:match.start()]
+    function = frame[: match.start()]
     where = match["file"].split("site-packages/")[-1]
     return f"{function} ({where}:{match['line']})" if keep_line else f"{function} ({where})"

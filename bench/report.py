@@ -79,8 +79,10 @@ class BenchResult:
 
     @classmethod
     def from_json(cls, data: dict) -> BenchResult:
-        figures = [Figure(f["name"], f["value"], f.get("unit", ""),
-                          Goal(**f["goal"]) if f.get("goal") else None) for f in data.pop("figures")]
+        figures = [
+            Figure(f["name"], f["value"], f.get("unit", ""), Goal(**f["goal"]) if f.get("goal") else None)
+            for f in data.pop("figures")
+        ]
         return cls(figures=figures, **data)
 
 
@@ -99,9 +101,14 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "os": f"{platform.system()} {platform.release()}"}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -109,8 +116,10 @@ def machine_info() -> dict:
 
 def machine_line(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ", no GPU"
-    return (f"{info.get('cpu')}, {info.get('cores')} cores{gpu}; torch {info.get('torch')} "
-            f"({info.get('torch_threads')} thread(s) per model process), Python {info.get('python')}, {info.get('os')}")
+    return (
+        f"{info.get('cpu')}, {info.get('cores')} cores{gpu}; torch {info.get('torch')} "
+        f"({info.get('torch_threads')} thread(s) per model process), Python {info.get('python')}, {info.get('os')}"
+    )
 
 
 def _fmt(value: float | str) -> str:
@@ -149,9 +158,13 @@ def print_table(results: list[BenchResult], console: Console | None = None) -> N
         for i, figure in enumerate(result.figures):
             status = _status(figure)
             colour = {"met": "green", "MISSED": "red"}.get(status)
-            table.add_row(result.key if i == 0 else "", figure.name, figure.shown,
-                          str(figure.goal) if figure.goal else "",
-                          f"[{colour}]{status}[/{colour}]" if colour else status)
+            table.add_row(
+                result.key if i == 0 else "",
+                figure.name,
+                figure.shown,
+                str(figure.goal) if figure.goal else "",
+                f"[{colour}]{status}[/{colour}]" if colour else status,
+            )
         table.add_section()
     console.print(table)
 
@@ -174,25 +187,40 @@ def load_results(path: Path) -> dict[str, BenchResult]:
 
 
 def render_markdown(results: list[BenchResult], plot_dir: str, header: str) -> str:
-    lines = [header, "", "## Summary", "",
-             "| benchmark | figure | value | goal | status |", "|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "## Summary",
+        "",
+        "| benchmark | figure | value | goal | status |",
+        "|---|---|---|---|---|",
+    ]
     for result in results:
         if result.error is not None:
             lines.append(f"| [{result.key}](#{_anchor(result)}) | error | {_cell(result.error)} | | ERROR |")
             continue
         for i, figure in enumerate(result.figures):
             name = f"[{result.key}](#{_anchor(result)})" if i == 0 else ""
-            lines.append(f"| {name} | {_cell(figure.name)} | {_cell(figure.shown)} | "
-                         f"{figure.goal or ''} | {_status(figure)} |")
+            lines.append(
+                f"| {name} | {_cell(figure.name)} | {_cell(figure.shown)} | "
+                f"{figure.goal or ''} | {_status(figure)} |"
+            )
     for result in results:
-        lines += ["", f"## {result.title}", "",
-                  f"Reproduce: `{result.command}` ({result.seconds:.0f} s on {machine_line(result.machine)})", ""]
+        lines += [
+            "",
+            f"## {result.title}",
+            "",
+            f"Reproduce: `{result.command}` ({result.seconds:.0f} s on {machine_line(result.machine)})",
+            "",
+        ]
         if result.error is not None:
             lines += [f"**The harness failed:** `{result.error}`", ""]
         else:
             lines += ["| figure | value | goal | status |", "|---|---|---|---|"]
-            lines += [f"| {_cell(f.name)} | {_cell(f.shown)} | {f.goal or ''} | {_status(f)} |"
-                      for f in result.figures]
+            lines += [
+                f"| {_cell(f.name)} | {_cell(f.shown)} | {f.goal or ''} | {_status(f)} |"
+                for f in result.figures
+            ]
             lines.append("")
         if result.details:
             lines += [result.details.strip(), ""]

@@ -28,8 +28,9 @@ class Stack:
     """A blockd and one computed on free loopback ports. Invariant: after __exit__
     neither process is running (SIGTERM, then SIGKILL after the grace)."""
 
-    def __init__(self, workdir: Path, *computed_args: str, model: str | Path | None = None,
-                 threads: int | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *computed_args: str, model: str | Path | None = None, threads: int | None = None
+    ) -> None:
         self.workdir = workdir
         # torch intra-op threads of computed (OMP_NUM_THREADS); None: torch's default.
         self.env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else None
@@ -42,9 +43,17 @@ class Stack:
     def __enter__(self) -> Self:
         try:
             self.blockd = start_blockd(self.workdir, "--log-format", "json", "--lease-ttl", "60")
-            self.computed = start_computed(self.workdir, self.blockd.address, "--metrics-port", "0",
-                                           "--log-format", "json", *self.computed_args, model=self.model,
-                                           env=self.env)
+            self.computed = start_computed(
+                self.workdir,
+                self.blockd.address,
+                "--metrics-port",
+                "0",
+                "--log-format",
+                "json",
+                *self.computed_args,
+                model=self.model,
+                env=self.env,
+            )
             self.metrics_port = self._read_metrics_port()
         except BaseException:
             self.close()
@@ -74,9 +83,12 @@ class Stack:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as reply:
             text = reply.read().decode()
-        return {sample.name: sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples if not sample.labels}
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if not sample.labels
+        }
 
     def _read_metrics_port(self, timeout: float = 30.0) -> int:
         assert self.computed is not None

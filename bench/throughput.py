@@ -31,7 +31,9 @@ def run(ctx: BenchContext) -> BenchResult:
     prefix, unique = (256, 32) if ctx.quick else (1024, 64)
     repeats = 1 if ctx.quick else 3
     hf = HfGenerator(DEFAULT_MODEL_DIR)
-    results: dict[str, dict[str, list]] = {w: {"ours": [], "hf": [], "agree": []} for w in ("shared", "unshared")}
+    results: dict[str, dict[str, list]] = {
+        w: {"ours": [], "hf": [], "agree": []} for w in ("shared", "unshared")
+    }
     with Stack(ctx.scratch("throughput"), threads=ctx.threads) as stack:  # computed's default flags
         warm = unrelated_prompts(97, 2, 64)
         run_sync(stack.computed_address, warm, 4, 2)  # warm-up, both sides
@@ -55,29 +57,39 @@ def run(ctx: BenchContext) -> BenchResult:
         if shared_ratio < GOAL_SHARED and not ctx.quick:
             profile = _profile(ctx, stack, shared_prefix_prompts(999, n, prefix, unique), output)
     figures = []
-    header = ("| workload | ours (output tok/s) | transformers (output tok/s) | ours ÷ transformers | "
-              "identical greedy outputs |")
+    header = (
+        "| workload | ours (output tok/s) | transformers (output tok/s) | ours ÷ transformers | "
+        "identical greedy outputs |"
+    )
     rows = [header, "|---|---|---|---|---|"]
     for workload, label in (("shared", "shared prefix"), ("unshared", "no sharing")):
         r = results[workload]
         ours, theirs = median(r["ours"]), median(r["hf"])
         ratio = median(o / h for o, h in zip(r["ours"], r["hf"]))
         goal = Goal(">=", GOAL_SHARED) if workload == "shared" else None
-        figures += [Figure(f"ours ÷ transformers, {label}", round(ratio, 2), "x", goal),
-                    Figure(f"ours, {label}", round(ours, 1), "tok/s"),
-                    Figure(f"transformers, {label}", round(theirs, 1), "tok/s")]
-        rows.append(f"| {label} | {ours:.1f} | {theirs:.1f} | {ratio:.2f}x | "
-                    f"{min(r['agree'])}/{n} (worst repetition) |")
-    details = (f"{n} requests, {output} output tokens each; shared: {prefix} + {unique} unique tokens, "
-               f"no sharing: {n} unrelated {prefix + unique}-token prompts. Ours: {n} concurrent streams, "
-               f"computed with its default flags. Transformers: one batch of {n}, float32, SDPA, the "
-               f"same torch threads and allocator setting. {repeats} repetition(s), medians (the ratio is the "
-               f"median of per-repetition ratios).\n\n" + "\n".join(rows) + "\n\n"
-               "Identical greedy outputs compare token for token; a difference after a near-tie of "
-               "two logits (float32 sums in another order) is expected now and then.")
+        figures += [
+            Figure(f"ours ÷ transformers, {label}", round(ratio, 2), "x", goal),
+            Figure(f"ours, {label}", round(ours, 1), "tok/s"),
+            Figure(f"transformers, {label}", round(theirs, 1), "tok/s"),
+        ]
+        rows.append(
+            f"| {label} | {ours:.1f} | {theirs:.1f} | {ratio:.2f}x | "
+            f"{min(r['agree'])}/{n} (worst repetition) |"
+        )
+    details = (
+        f"{n} requests, {output} output tokens each; shared: {prefix} + {unique} unique tokens, "
+        f"no sharing: {n} unrelated {prefix + unique}-token prompts. Ours: {n} concurrent streams, "
+        f"computed with its default flags. Transformers: one batch of {n}, float32, SDPA, the "
+        f"same torch threads and allocator setting. {repeats} repetition(s), medians (the ratio is the "
+        f"median of per-repetition ratios).\n\n" + "\n".join(rows) + "\n\n"
+        "Identical greedy outputs compare token for token; a difference after a near-tie of "
+        "two logits (float32 sums in another order) is expected now and then."
+    )
     if profile is not None:
-        details += ("\n\n**What limits the shared workload** (the goal was missed): a py-spy profile of "
-                    "computed during one more shared run (fresh prompts), where its time went:\n\n" + profile)
+        details += (
+            "\n\n**What limits the shared workload** (the goal was missed): a py-spy profile of "
+            "computed during one more shared run (fresh prompts), where its time went:\n\n" + profile
+        )
     return BenchResult("throughput", TITLE, figures, details)
 
 

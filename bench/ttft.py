@@ -40,13 +40,17 @@ def run(ctx: BenchContext) -> BenchResult:
         goal = Goal("<=", GOAL_AT_4K) if size == 4096 else None
         figures.append(Figure(f"TTFT warm ÷ cold, {size}-token prefix", round(ratio, 4), "", goal))
     table = ["| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm ÷ cold |", "|---|---|---|---|"]
-    table += [f"| {size:,} + {NEW_TOKENS} | {cold * 1e3:.1f} | {warm * 1e3:.1f} | {ratio:.4f} |"
-              for size, cold, warm, ratio in rows]
+    table += [
+        f"| {size:,} + {NEW_TOKENS} | {cold * 1e3:.1f} | {warm * 1e3:.1f} | {ratio:.4f} |"
+        for size, cold, warm, ratio in rows
+    ]
     plot = "ttft_warm_over_cold.png"
     _plot(rows, ctx.plot_dir / plot)
-    details = (f"Prefix lengths {', '.join(map(str, sizes))} + {NEW_TOKENS} new tokens; {repeats} fresh "
-               f"prefixes per length, medians (the ratio is the median of per-prefix ratios); default "
-               f"model; computed `{' '.join(args)}`.\n\n" + "\n".join(table))
+    details = (
+        f"Prefix lengths {', '.join(map(str, sizes))} + {NEW_TOKENS} new tokens; {repeats} fresh "
+        f"prefixes per length, medians (the ratio is the median of per-prefix ratios); default "
+        f"model; computed `{' '.join(args)}`.\n\n" + "\n".join(table)
+    )
     return BenchResult("ttft", TITLE, figures, details, [plot])
 
 
@@ -77,13 +81,23 @@ def _plot(rows: list[tuple[int, float, float, float]], path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(sizes, [r[1] * 1e3 for r in rows], "o-", label="cold (fresh prefix)")
     left.plot(sizes, [r[2] * 1e3 for r in rows], "o-", label="warm (cached prefix)")
-    left.set(xscale="log", yscale="log", xlabel="shared prefix (tokens) + 64 new",
-             ylabel="time to first token (ms)", title="TTFT through gRPC")
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="shared prefix (tokens) + 64 new",
+        ylabel="time to first token (ms)",
+        title="TTFT through gRPC",
+    )
     left.legend()
     right.plot(sizes, [r[3] for r in rows], "o-", color="C2", label="warm ÷ cold")
     right.axhline(GOAL_AT_4K, color="grey", linestyle="--", label=f"goal at 4,096: ≤ {GOAL_AT_4K}")
-    right.set(xscale="log", yscale="log", xlabel="shared prefix (tokens) + 64 new", ylabel="warm ÷ cold",
-              title="TTFT ratio")
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="shared prefix (tokens) + 64 new",
+        ylabel="warm ÷ cold",
+        title="TTFT ratio",
+    )
     right.legend()
     for ax in (left, right):
         ax.xaxis.set_minor_locator(NullLocator())

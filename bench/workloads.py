@@ -12,8 +12,9 @@ def random_tokens(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
     return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
 
 
-def shared_prefix_prompts(seed: int, num_requests: int, prefix_len: int, unique_len: int,
-                          vocab: int = VOCAB) -> list[list[int]]:
+def shared_prefix_prompts(
+    seed: int, num_requests: int, prefix_len: int, unique_len: int, vocab: int = VOCAB
+) -> list[list[int]]:
     """`num_requests` prompts: one random prefix + a random suffix each (seeded)."""
     rng = random.Random(seed)
     prefix = random_tokens(rng, prefix_len, vocab)

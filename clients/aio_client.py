@@ -67,7 +67,9 @@ class _AsyncEndpoint:
             try:
                 reply = await method(call.request, timeout=core.remaining(deadline), metadata=metadata)
             except grpc.RpcError as error:
-                await asyncio.sleep(core.retry_pause(self.service, self.address, error, attempt, deadline, retry))
+                await asyncio.sleep(
+                    core.retry_pause(self.service, self.address, error, attempt, deadline, retry)
+                )
                 attempt += 1
                 continue
             return call.parse(reply)
@@ -89,7 +91,9 @@ class _AsyncEndpoint:
             except grpc.RpcError as error:
                 if received:
                     raise KVCacheError.from_rpc_error(self.service, self.address, error) from None
-                pause = core.retry_pause(self.service, self.address, error, attempt, deadline, self.options.retry)
+                pause = core.retry_pause(
+                    self.service, self.address, error, attempt, deadline, self.options.retry
+                )
                 await asyncio.sleep(pause)
                 attempt += 1
             finally:
@@ -141,8 +145,9 @@ class AsyncBlockdClient:
     async def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
         return await self._endpoint.call(core.list_pools(timeout))
 
-    async def iter_blocks(self, pool_id: str | None = None, *, page_size: int = 1000,
-                          timeout: float | None = None) -> AsyncIterator[BlockInfo]:
+    async def iter_blocks(
+        self, pool_id: str | None = None, *, page_size: int = 1000, timeout: float | None = None
+    ) -> AsyncIterator[BlockInfo]:
         """Every cached block, ordered by (pool_id, block_id), fetched page by page."""
         token = ""
         while True:
@@ -156,34 +161,61 @@ class AsyncBlockdClient:
     async def list_blocks(self, pool_id: str | None = None, **kwargs: Any) -> list[BlockInfo]:
         return [block async for block in self.iter_blocks(pool_id, **kwargs)]
 
-    async def lookup(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
-                     pool_id: str | None = None, timeout: float | None = None) -> list[PoolMatch]:
-        return await self._endpoint.call(core.lookup(token_ids, cache_salt, public_prefix_tokens, pool_id,
-                                                     timeout))
+    async def lookup(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        pool_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[PoolMatch]:
+        return await self._endpoint.call(
+            core.lookup(token_ids, cache_salt, public_prefix_tokens, pool_id, timeout)
+        )
 
-    async def flush(self, *, pool_id: str | None = None, cache_salt: str | None = None,
-                    timeout: float | None = None) -> FlushResult:
+    async def flush(
+        self, *, pool_id: str | None = None, cache_salt: str | None = None, timeout: float | None = None
+    ) -> FlushResult:
         return await self._endpoint.call(core.flush(pool_id, cache_salt, timeout))
 
-    async def pin(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
-                  ttl_seconds: float | None = None, pool_id: str | None = None,
-                  timeout: float | None = None) -> PinResult:
-        return await self._endpoint.call(core.pin(token_ids, cache_salt, public_prefix_tokens, ttl_seconds,
-                                                  pool_id, timeout))
+    async def pin(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        ttl_seconds: float | None = None,
+        pool_id: str | None = None,
+        timeout: float | None = None,
+    ) -> PinResult:
+        return await self._endpoint.call(
+            core.pin(token_ids, cache_salt, public_prefix_tokens, ttl_seconds, pool_id, timeout)
+        )
 
     async def unpin(self, pin_id: str, *, timeout: float | None = None) -> int:
         """Returns the number of blocks unpinned."""
         return await self._endpoint.call(core.unpin(pin_id, timeout))
 
-    async def watch_events(self, after_sequence: int = 0, *, pool_id: str | None = None,
-                           timeout: float | None = None) -> AsyncIterator[BlockEvent]:
+    async def watch_events(
+        self, after_sequence: int = 0, *, pool_id: str | None = None, timeout: float | None = None
+    ) -> AsyncIterator[BlockEvent]:
         """Block events as they happen. timeout None: watch until the caller stops reading."""
         async for event in self._endpoint.stream(core.watch_events(after_sequence, pool_id, timeout)):
             yield event
 
-    async def route(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
-                    timeout: float | None = None, retry: bool = True) -> Route:
-        return await self._endpoint.call(core.route(token_ids, cache_salt, public_prefix_tokens, timeout, retry))
+    async def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> Route:
+        return await self._endpoint.call(
+            core.route(token_ids, cache_salt, public_prefix_tokens, timeout, retry)
+        )
 
     async def close(self) -> None:
         await self._endpoint.close()
@@ -206,26 +238,47 @@ class AsyncComputedClient:
     def address(self) -> str:
         return self._endpoint.address
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
-                 public_prefix_tokens: int = 0, request_id: str = "", timeout: float | None = None,
-                 **sampling: Any) -> AsyncGenerateStream:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[MessageLike] | None = None,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncGenerateStream:
         """Stream a completion. sampling: max_tokens, temperature, top_p, top_k, seed, stop, ..."""
-        request = Prompt.of(prompt, token_ids=token_ids, messages=messages, cache_salt=cache_salt,
-                            public_prefix_tokens=public_prefix_tokens, request_id=request_id)
+        request = Prompt.of(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            cache_salt=cache_salt,
+            public_prefix_tokens=public_prefix_tokens,
+            request_id=request_id,
+        )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return await self.generate(prompt, **kwargs).completion()
 
-    def generate_prompt(self, prompt: Prompt, params: SamplingParams,
-                        timeout: float | None = None) -> AsyncGenerateStream:
+    def generate_prompt(
+        self, prompt: Prompt, params: SamplingParams, timeout: float | None = None
+    ) -> AsyncGenerateStream:
         stream = AsyncGenerateStream(self.address)
         stream._chunks = self._endpoint.stream(core.generate(prompt, params, timeout, self.options))
         return stream
 
-    async def tokenize(self, text: str | None = None, *, messages: Sequence[MessageLike] | None = None,
-                       add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> list[int]:
         return await self._endpoint.call(core.tokenize(text, messages, add_special_tokens, timeout))
 
     async def tokenize_prompt(self, prompt: Prompt, timeout: float | None = None) -> list[int]:
@@ -253,9 +306,15 @@ class AsyncComputedClient:
 class AsyncKVCacheClient:
     """blockd plus computed workers with routed Generate (see clients.client.KVCacheClient)."""
 
-    def __init__(self, blockd: str = DEFAULT_BLOCKD, computed: Sequence[str] | str = (DEFAULT_COMPUTED,),
-                 *, routing: str = "cache-aware", options: ClientOptions | None = None,
-                 route_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        blockd: str = DEFAULT_BLOCKD,
+        computed: Sequence[str] | str = (DEFAULT_COMPUTED,),
+        *,
+        routing: str = "cache-aware",
+        options: ClientOptions | None = None,
+        route_timeout: float = 2.0,
+    ) -> None:
         self.options = options or ClientOptions()
         self._router = Router(routing, [computed] if isinstance(computed, str) else list(computed))
         self.routing = self._router.mode
@@ -284,17 +343,32 @@ class AsyncKVCacheClient:
     async def pick_worker(self, prompt: Prompt) -> str:
         return (await self._route(prompt))[0]
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
-                 public_prefix_tokens: int = 0, request_id: str = "", timeout: float | None = None,
-                 **sampling: Any) -> AsyncGenerateStream:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[MessageLike] | None = None,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncGenerateStream:
         """Routing happens when the stream is first read."""
-        request = Prompt.of(prompt, token_ids=token_ids, messages=messages, cache_salt=cache_salt,
-                            public_prefix_tokens=public_prefix_tokens, request_id=request_id)
+        request = Prompt.of(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            cache_salt=cache_salt,
+            public_prefix_tokens=public_prefix_tokens,
+            request_id=request_id,
+        )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 
-    def generate_prompt(self, prompt: Prompt, params: SamplingParams,
-                        timeout: float | None = None) -> AsyncGenerateStream:
+    def generate_prompt(
+        self, prompt: Prompt, params: SamplingParams, timeout: float | None = None
+    ) -> AsyncGenerateStream:
         """Routes when first read; a worker unreachable before its first token is replaced by the next one."""
         stream = AsyncGenerateStream("")
         stream._chunks = self._failover(prompt, params, timeout, stream)
@@ -326,9 +400,13 @@ class AsyncKVCacheClient:
             return self._router.place(None), None
         try:
             tokenized = await self._tokenize(prompt)
-            route = await self.blockd.route(tokenized.token_ids, cache_salt=prompt.cache_salt,
-                                            public_prefix_tokens=prompt.public_prefix_tokens,
-                                            timeout=self.route_timeout, retry=False)
+            route = await self.blockd.route(
+                tokenized.token_ids,
+                cache_salt=prompt.cache_salt,
+                public_prefix_tokens=prompt.public_prefix_tokens,
+                timeout=self.route_timeout,
+                retry=False,
+            )
         except KVCacheError as error:
             log.debug("routing falls back to round robin: %s", error)
             return self._router.place(None), None
@@ -354,13 +432,16 @@ class AsyncKVCacheClient:
     async def _prompt_for(self, prompt: Prompt, tokenized: Tokenized | None, address: str) -> Prompt:
         for unknown in self._router.unknown_identities(tokenized, address):
             try:
-                self._router.learn(unknown, await self._workers[unknown].model_info(timeout=self.route_timeout))
+                self._router.learn(
+                    unknown, await self._workers[unknown].model_info(timeout=self.route_timeout)
+                )
             except KVCacheError as error:  # unknown stays unknown: the prompt goes as given
                 log.debug("no model info from %s: %s", unknown, error)
         return self._router.prompt_for(prompt, tokenized, address)
 
-    async def _failover(self, prompt: Prompt, params: SamplingParams, timeout: float | None,
-                        stream: AsyncGenerateStream) -> AsyncIterator[GenerateChunk]:
+    async def _failover(
+        self, prompt: Prompt, params: SamplingParams, timeout: float | None, stream: AsyncGenerateStream
+    ) -> AsyncIterator[GenerateChunk]:
         first, tokenized = await self._route(prompt)
         order = self._router.failover_order(first)
         for i, address in enumerate(order):

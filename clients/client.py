@@ -99,7 +99,9 @@ class _Endpoint:
             except grpc.RpcError as error:
                 if received:
                     raise KVCacheError.from_rpc_error(self.service, self.address, error) from None
-                pause = core.retry_pause(self.service, self.address, error, attempt, deadline, self.options.retry)
+                pause = core.retry_pause(
+                    self.service, self.address, error, attempt, deadline, self.options.retry
+                )
                 time.sleep(pause)
                 attempt += 1
             finally:
@@ -151,8 +153,9 @@ class BlockdClient:
     def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
         return self._endpoint.call(core.list_pools(timeout))
 
-    def iter_blocks(self, pool_id: str | None = None, *, page_size: int = 1000,
-                    timeout: float | None = None) -> Iterator[BlockInfo]:
+    def iter_blocks(
+        self, pool_id: str | None = None, *, page_size: int = 1000, timeout: float | None = None
+    ) -> Iterator[BlockInfo]:
         """Every cached block, ordered by (pool_id, block_id), fetched page by page."""
         token = ""
         while True:
@@ -165,31 +168,55 @@ class BlockdClient:
     def list_blocks(self, pool_id: str | None = None, **kwargs: Any) -> list[BlockInfo]:
         return list(self.iter_blocks(pool_id, **kwargs))
 
-    def lookup(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
-               pool_id: str | None = None, timeout: float | None = None) -> list[PoolMatch]:
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        pool_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[PoolMatch]:
         return self._endpoint.call(core.lookup(token_ids, cache_salt, public_prefix_tokens, pool_id, timeout))
 
-    def flush(self, *, pool_id: str | None = None, cache_salt: str | None = None,
-              timeout: float | None = None) -> FlushResult:
+    def flush(
+        self, *, pool_id: str | None = None, cache_salt: str | None = None, timeout: float | None = None
+    ) -> FlushResult:
         return self._endpoint.call(core.flush(pool_id, cache_salt, timeout))
 
-    def pin(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
-            ttl_seconds: float | None = None, pool_id: str | None = None,
-            timeout: float | None = None) -> PinResult:
-        return self._endpoint.call(core.pin(token_ids, cache_salt, public_prefix_tokens, ttl_seconds, pool_id,
-                                            timeout))
+    def pin(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        ttl_seconds: float | None = None,
+        pool_id: str | None = None,
+        timeout: float | None = None,
+    ) -> PinResult:
+        return self._endpoint.call(
+            core.pin(token_ids, cache_salt, public_prefix_tokens, ttl_seconds, pool_id, timeout)
+        )
 
     def unpin(self, pin_id: str, *, timeout: float | None = None) -> int:
         """Returns the number of blocks unpinned."""
         return self._endpoint.call(core.unpin(pin_id, timeout))
 
-    def watch_events(self, after_sequence: int = 0, *, pool_id: str | None = None,
-                     timeout: float | None = None) -> Iterator[BlockEvent]:
+    def watch_events(
+        self, after_sequence: int = 0, *, pool_id: str | None = None, timeout: float | None = None
+    ) -> Iterator[BlockEvent]:
         """Block events as they happen. timeout None: watch until the caller stops reading."""
         yield from self._endpoint.stream(core.watch_events(after_sequence, pool_id, timeout))
 
-    def route(self, token_ids: Sequence[int], *, cache_salt: str = "", public_prefix_tokens: int = 0,
-              timeout: float | None = None, retry: bool = True) -> Route:
+    def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> Route:
         return self._endpoint.call(core.route(token_ids, cache_salt, public_prefix_tokens, timeout, retry))
 
     def close(self) -> None:
@@ -213,25 +240,46 @@ class ComputedClient:
     def address(self) -> str:
         return self._endpoint.address
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
-                 public_prefix_tokens: int = 0, request_id: str = "", timeout: float | None = None,
-                 **sampling: Any) -> GenerateStream:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[MessageLike] | None = None,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> GenerateStream:
         """Stream a completion. sampling: max_tokens, temperature, top_p, top_k, seed, stop, ..."""
-        request = Prompt.of(prompt, token_ids=token_ids, messages=messages, cache_salt=cache_salt,
-                            public_prefix_tokens=public_prefix_tokens, request_id=request_id)
+        request = Prompt.of(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            cache_salt=cache_salt,
+            public_prefix_tokens=public_prefix_tokens,
+            request_id=request_id,
+        )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout=timeout)
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return self.generate(prompt, **kwargs).completion()
 
-    def generate_prompt(self, prompt: Prompt, params: SamplingParams,
-                        timeout: float | None = None) -> GenerateStream:
+    def generate_prompt(
+        self, prompt: Prompt, params: SamplingParams, timeout: float | None = None
+    ) -> GenerateStream:
         chunks = self._endpoint.stream(core.generate(prompt, params, timeout, self.options))
         return GenerateStream(self.address, chunks)
 
-    def tokenize(self, text: str | None = None, *, messages: Sequence[MessageLike] | None = None,
-                 add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> list[int]:
         return self._endpoint.call(core.tokenize(text, messages, add_special_tokens, timeout))
 
     def tokenize_prompt(self, prompt: Prompt, timeout: float | None = None) -> list[int]:
@@ -267,9 +315,15 @@ class KVCacheClient:
     token is skipped for the next one.
     """
 
-    def __init__(self, blockd: str = DEFAULT_BLOCKD, computed: Sequence[str] | str = (DEFAULT_COMPUTED,),
-                 *, routing: str = "cache-aware", options: ClientOptions | None = None,
-                 route_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        blockd: str = DEFAULT_BLOCKD,
+        computed: Sequence[str] | str = (DEFAULT_COMPUTED,),
+        *,
+        routing: str = "cache-aware",
+        options: ClientOptions | None = None,
+        route_timeout: float = 2.0,
+    ) -> None:
         self.options = options or ClientOptions()
         self._router = Router(routing, [computed] if isinstance(computed, str) else list(computed))
         self.routing = self._router.mode
@@ -298,16 +352,31 @@ class KVCacheClient:
     def pick_worker(self, prompt: Prompt) -> str:
         return self._route(prompt)[0]
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
-                 public_prefix_tokens: int = 0, request_id: str = "", timeout: float | None = None,
-                 **sampling: Any) -> GenerateStream:
-        request = Prompt.of(prompt, token_ids=token_ids, messages=messages, cache_salt=cache_salt,
-                            public_prefix_tokens=public_prefix_tokens, request_id=request_id)
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[MessageLike] | None = None,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> GenerateStream:
+        request = Prompt.of(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            cache_salt=cache_salt,
+            public_prefix_tokens=public_prefix_tokens,
+            request_id=request_id,
+        )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 
-    def generate_prompt(self, prompt: Prompt, params: SamplingParams,
-                        timeout: float | None = None) -> GenerateStream:
+    def generate_prompt(
+        self, prompt: Prompt, params: SamplingParams, timeout: float | None = None
+    ) -> GenerateStream:
         """Routes now; a worker unreachable before its first token is replaced by the next one."""
         first, tokenized = self._route(prompt)
         stream = GenerateStream(first, iter(()))
@@ -340,9 +409,13 @@ class KVCacheClient:
             return self._router.place(None), None
         try:
             tokenized = self._tokenize(prompt)
-            route = self.blockd.route(tokenized.token_ids, cache_salt=prompt.cache_salt,
-                                      public_prefix_tokens=prompt.public_prefix_tokens,
-                                      timeout=self.route_timeout, retry=False)
+            route = self.blockd.route(
+                tokenized.token_ids,
+                cache_salt=prompt.cache_salt,
+                public_prefix_tokens=prompt.public_prefix_tokens,
+                timeout=self.route_timeout,
+                retry=False,
+            )
         except KVCacheError as error:
             log.debug("routing falls back to round robin: %s", error)
             return self._router.place(None), None
@@ -373,8 +446,15 @@ class KVCacheClient:
                 log.debug("no model info from %s: %s", unknown, error)
         return self._router.prompt_for(prompt, tokenized, address)
 
-    def _failover(self, prompt: Prompt, tokenized: Tokenized | None, params: SamplingParams,
-                  timeout: float | None, first: str, stream: GenerateStream) -> Iterator[GenerateChunk]:
+    def _failover(
+        self,
+        prompt: Prompt,
+        tokenized: Tokenized | None,
+        params: SamplingParams,
+        timeout: float | None,
+        first: str,
+        stream: GenerateStream,
+    ) -> Iterator[GenerateChunk]:
         order = self._router.failover_order(first)
         for i, address in enumerate(order):
             stream.worker_address = address

@@ -68,8 +68,10 @@ class Call(Generic[T]):
 def stubs(service: str, channel: Any) -> dict[Stub, Any]:
     """The stubs of one daemon's channel (sync or aio: the generated stubs serve both)."""
     if service == "blockd":
-        return {"admin": directory_pb2_grpc.DirectoryAdminServiceStub(channel),
-                "routing": directory_pb2_grpc.RoutingServiceStub(channel)}
+        return {
+            "admin": directory_pb2_grpc.DirectoryAdminServiceStub(channel),
+            "routing": directory_pb2_grpc.RoutingServiceStub(channel),
+        }
     return {"generation": generation_pb2_grpc.GenerationServiceStub(channel)}
 
 
@@ -92,8 +94,9 @@ def _admin(method: str, request: Any, parse: Callable[[Any], T], timeout: float 
 # ---------------------------------------------------------------- retries
 
 
-def retry_pause(service: str, address: str, error: grpc.RpcError, attempt: int, deadline: float | None,
-                retry: RetryPolicy) -> float:
+def retry_pause(
+    service: str, address: str, error: grpc.RpcError, attempt: int, deadline: float | None, retry: RetryPolicy
+) -> float:
     """Seconds to wait before retrying failed attempt `attempt` (0-based), or raise its KVCacheError.
 
     Retried only for a retryable code, while attempts remain and the pause ends before the deadline.
@@ -120,8 +123,12 @@ def get_stats(pool_id: str | None, timeout: float | None) -> Call[Stats]:
 
 
 def list_pools(timeout: float | None) -> Call[list[PoolInfo]]:
-    return _admin("ListPools", directory_pb2.ListPoolsRequest(),
-                  lambda reply: [PoolInfo.from_proto(p) for p in reply.pools], timeout)
+    return _admin(
+        "ListPools",
+        directory_pb2.ListPoolsRequest(),
+        lambda reply: [PoolInfo.from_proto(p) for p in reply.pools],
+        timeout,
+    )
 
 
 @dataclass(frozen=True)
@@ -132,40 +139,73 @@ class BlockPage:
     next_page_token: str
 
 
-def list_blocks_page(pool_id: str | None, page_size: int, page_token: str,
-                     timeout: float | None) -> Call[BlockPage]:
-    request = directory_pb2.ListBlocksRequest(pool_id=pool_id or "", page_size=page_size, page_token=page_token)
-    return _admin("ListBlocks", request,
-                  lambda reply: BlockPage([BlockInfo.from_proto(b) for b in reply.blocks],
-                                          reply.next_page_token), timeout)
+def list_blocks_page(
+    pool_id: str | None, page_size: int, page_token: str, timeout: float | None
+) -> Call[BlockPage]:
+    request = directory_pb2.ListBlocksRequest(
+        pool_id=pool_id or "", page_size=page_size, page_token=page_token
+    )
+    return _admin(
+        "ListBlocks",
+        request,
+        lambda reply: BlockPage([BlockInfo.from_proto(b) for b in reply.blocks], reply.next_page_token),
+        timeout,
+    )
 
 
-def lookup(token_ids: Sequence[int], cache_salt: str, public_prefix_tokens: int, pool_id: str | None,
-           timeout: float | None) -> Call[list[PoolMatch]]:
-    request = directory_pb2.LookupRequest(token_ids=list(token_ids), cache_salt=cache_salt,
-                                          public_prefix_tokens=public_prefix_tokens, pool_id=pool_id or "")
+def lookup(
+    token_ids: Sequence[int],
+    cache_salt: str,
+    public_prefix_tokens: int,
+    pool_id: str | None,
+    timeout: float | None,
+) -> Call[list[PoolMatch]]:
+    request = directory_pb2.LookupRequest(
+        token_ids=list(token_ids),
+        cache_salt=cache_salt,
+        public_prefix_tokens=public_prefix_tokens,
+        pool_id=pool_id or "",
+    )
     return _admin("Lookup", request, lambda reply: [PoolMatch.from_proto(m) for m in reply.matches], timeout)
 
 
 def flush(pool_id: str | None, cache_salt: str | None, timeout: float | None) -> Call[FlushResult]:
     request = directory_pb2.FlushRequest(pool_id=pool_id or "", cache_salt=cache_salt or "")
-    return _admin("Flush", request, lambda reply: FlushResult(dropped=reply.dropped, busy=reply.busy), timeout)
+    return _admin(
+        "Flush", request, lambda reply: FlushResult(dropped=reply.dropped, busy=reply.busy), timeout
+    )
 
 
-def pin(token_ids: Sequence[int], cache_salt: str, public_prefix_tokens: int, ttl_seconds: float | None,
-        pool_id: str | None, timeout: float | None) -> Call[PinResult]:
-    request = directory_pb2.PinRequest(token_ids=list(token_ids), cache_salt=cache_salt,
-                                       public_prefix_tokens=public_prefix_tokens,
-                                       ttl_seconds=ttl_seconds or 0.0, pool_id=pool_id or "")
-    return _admin("Pin", request, lambda reply: PinResult(reply.pin_id, reply.num_pinned_tokens,
-                                                          reply.num_pinned_blocks, reply.expires_in_seconds),
-                  timeout)
+def pin(
+    token_ids: Sequence[int],
+    cache_salt: str,
+    public_prefix_tokens: int,
+    ttl_seconds: float | None,
+    pool_id: str | None,
+    timeout: float | None,
+) -> Call[PinResult]:
+    request = directory_pb2.PinRequest(
+        token_ids=list(token_ids),
+        cache_salt=cache_salt,
+        public_prefix_tokens=public_prefix_tokens,
+        ttl_seconds=ttl_seconds or 0.0,
+        pool_id=pool_id or "",
+    )
+    return _admin(
+        "Pin",
+        request,
+        lambda reply: PinResult(
+            reply.pin_id, reply.num_pinned_tokens, reply.num_pinned_blocks, reply.expires_in_seconds
+        ),
+        timeout,
+    )
 
 
 def unpin(pin_id: str, timeout: float | None) -> Call[int]:
     """Answers the number of blocks unpinned."""
-    return _admin("Unpin", directory_pb2.UnpinRequest(pin_id=pin_id), lambda reply: reply.num_unpinned_blocks,
-                  timeout)
+    return _admin(
+        "Unpin", directory_pb2.UnpinRequest(pin_id=pin_id), lambda reply: reply.num_unpinned_blocks, timeout
+    )
 
 
 def watch_events(after_sequence: int, pool_id: str | None, timeout: float | None) -> Call[BlockEvent]:
@@ -174,25 +214,34 @@ def watch_events(after_sequence: int, pool_id: str | None, timeout: float | None
     return _admin("WatchEvents", request, BlockEvent.from_proto, timeout)
 
 
-def route(token_ids: Sequence[int], cache_salt: str, public_prefix_tokens: int, timeout: float | None,
-          retry: bool) -> Call[Route]:
-    request = directory_pb2.RouteRequest(token_ids=list(token_ids), cache_salt=cache_salt,
-                                         public_prefix_tokens=public_prefix_tokens)
+def route(
+    token_ids: Sequence[int], cache_salt: str, public_prefix_tokens: int, timeout: float | None, retry: bool
+) -> Call[Route]:
+    request = directory_pb2.RouteRequest(
+        token_ids=list(token_ids), cache_salt=cache_salt, public_prefix_tokens=public_prefix_tokens
+    )
     return Call("routing", "Route", request, Route.from_proto, timeout, retry=None if retry else NO_RETRY)
 
 
 # ---------------------------------------------------------------- computed
 
 
-def generate(prompt: Prompt, params: SamplingParams, timeout: float | None,
-             options: ClientOptions) -> Call[GenerateChunk]:
+def generate(
+    prompt: Prompt, params: SamplingParams, timeout: float | None, options: ClientOptions
+) -> Call[GenerateChunk]:
     """A server stream of chunks whose deadline (default generate_timeout) covers the whole stream."""
-    return Call("generation", "Generate", prompt.to_request(params), GenerateChunk.from_proto,
-                timeout or options.generate_timeout)
+    return Call(
+        "generation",
+        "Generate",
+        prompt.to_request(params),
+        GenerateChunk.from_proto,
+        timeout or options.generate_timeout,
+    )
 
 
-def tokenize(text: str | None, messages: Sequence[MessageLike] | None, add_special_tokens: bool,
-             timeout: float | None) -> Call[list[int]]:
+def tokenize(
+    text: str | None, messages: Sequence[MessageLike] | None, add_special_tokens: bool, timeout: float | None
+) -> Call[list[int]]:
     if messages is not None:
         request = Prompt.of(messages=messages).to_tokenize_request()
     else:
@@ -211,10 +260,10 @@ def detokenize(token_ids: Sequence[int], timeout: float | None) -> Call[str]:
 
 
 def model_info(timeout: float | None) -> Call[ModelInfo]:
-    return Call("generation", "GetModelInfo", generation_pb2.GetModelInfoRequest(), ModelInfo.from_proto,
-                timeout)
+    return Call(
+        "generation", "GetModelInfo", generation_pb2.GetModelInfoRequest(), ModelInfo.from_proto, timeout
+    )
 
 
 def _token_ids(reply: generation_pb2.TokenizeResponse) -> list[int]:
     return list(reply.token_ids)
-

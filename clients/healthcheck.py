@@ -17,17 +17,21 @@ from clients.options import TlsOptions, open_channel
 UNREACHABLE = "UNREACHABLE"
 
 
-def health_status(address: str, *, service: str = "", timeout: float = 2.0,
-                  tls: TlsOptions | None = None) -> str:
-    """"SERVING", "NOT_SERVING", ... as grpc health says, or "UNREACHABLE"."""
+def health_status(
+    address: str, *, service: str = "", timeout: float = 2.0, tls: TlsOptions | None = None
+) -> str:
+    """ "SERVING", "NOT_SERVING", ... as grpc health says, or "UNREACHABLE"."""
     channel = open_channel(address, tls)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as error:
-        return UNREACHABLE if error.code() in (grpc.StatusCode.UNAVAILABLE,
-                                               grpc.StatusCode.DEADLINE_EXCEEDED) else error.code().name
+        return (
+            UNREACHABLE
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            else error.code().name
+        )
     finally:
         channel.close()
 

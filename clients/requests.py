@@ -54,9 +54,16 @@ class Prompt:
             raise ValueError("public_prefix_tokens must be >= 0")
 
     @classmethod
-    def of(cls, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-           messages: Sequence[MessageLike] | None = None, cache_salt: str = "",
-           public_prefix_tokens: int = 0, request_id: str = "") -> Prompt:
+    def of(
+        cls,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[MessageLike] | None = None,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        request_id: str = "",
+    ) -> Prompt:
         return cls(
             text=prompt,
             token_ids=tuple(int(t) for t in token_ids) if token_ids is not None else None,

@@ -72,8 +72,9 @@ def daemon_command(module: str, listen: str, ready_file: Path, args: Sequence[st
     return [sys.executable, "-m", module, "--listen", listen, "--ready-file", str(ready_file), *args]
 
 
-def launch(command: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
-           detached: bool = False) -> subprocess.Popen:
+def launch(
+    command: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None, detached: bool = False
+) -> subprocess.Popen:
     """Start `command` in the repository folder, output appended to `log_path`.
 
     env: added to this process's environment. detached: a session of its own and no
@@ -81,9 +82,13 @@ def launch(command: Sequence[str], log_path: Path, *, env: Mapping[str, str] | N
     """
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            stdin=subprocess.DEVNULL if detached else None, start_new_session=detached,
+            stdin=subprocess.DEVNULL if detached else None,
+            start_new_session=detached,
         )
 
 
@@ -96,8 +101,15 @@ def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(f"  | {line}" for line in (text or "(empty log)").splitlines()[-lines:])
 
 
-def wait_ready(name: str, ready_file: Path, log_path: Path, is_alive: Callable[[], bool],
-               timeout: float, *, tail_lines: int = LOG_TAIL_LINES) -> str:
+def wait_ready(
+    name: str,
+    ready_file: Path,
+    log_path: Path,
+    is_alive: Callable[[], bool],
+    timeout: float,
+    *,
+    tail_lines: int = LOG_TAIL_LINES,
+) -> str:
     """Wait for the ready file, then for health SERVING; answers the bound address.
 
     Raises DaemonExited when `is_alive` turns false first, DaemonTimeout after `timeout` s.
@@ -115,7 +127,9 @@ def wait_ready(name: str, ready_file: Path, log_path: Path, is_alive: Callable[[
             if state == "SERVING":
                 return address
         time.sleep(_POLL_SECONDS)
-    raise DaemonTimeout(f"{name} not SERVING after {timeout:.0f}s ({state}):\n{log_tail(log_path, tail_lines)}")
+    raise DaemonTimeout(
+        f"{name} not SERVING after {timeout:.0f}s ({state}):\n{log_tail(log_path, tail_lines)}"
+    )
 
 
 def wait_serving(address: str, timeout: float = 60.0, service: str = "") -> None:
@@ -130,8 +144,15 @@ def wait_serving(address: str, timeout: float = 60.0, service: str = "") -> None
     raise DaemonTimeout(f"{address} not SERVING after {timeout}s: {state}")
 
 
-def spawn(name: str, module: str, workdir: Path, args: Sequence[str], env: Mapping[str, str] | None = None,
-          timeout: float = 120.0, listen: str = "127.0.0.1:0") -> Daemon:
+def spawn(
+    name: str,
+    module: str,
+    workdir: Path,
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    listen: str = "127.0.0.1:0",
+) -> Daemon:
     """Start a daemon as a child of this process; answers it once it serves.
 
     Files in `workdir`: `<name>.log` (appended) and `<name>.ready`. On a failed start the
@@ -153,12 +174,20 @@ def spawn(name: str, module: str, workdir: Path, args: Sequence[str], env: Mappi
     return Daemon(name, proc, address, log_path, command)
 
 
-def start_blockd(workdir: Path, *args: str, env: Mapping[str, str] | None = None, name: str = "blockd") -> Daemon:
+def start_blockd(
+    workdir: Path, *args: str, env: Mapping[str, str] | None = None, name: str = "blockd"
+) -> Daemon:
     return spawn(name, "blockd", workdir, list(args), env=env)
 
 
-def start_computed(workdir: Path, blockd_address: str, *args: str, model: str | Path | None = None,
-                   env: Mapping[str, str] | None = None, name: str = "computed") -> Daemon:
+def start_computed(
+    workdir: Path,
+    blockd_address: str,
+    *args: str,
+    model: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    name: str = "computed",
+) -> Daemon:
     extra = ["--blockd", blockd_address]
     if model is not None:
         extra += ["--model", str(model)]

@@ -180,8 +180,13 @@ class Stack:
         pid = _read_int(self.run_dir / f"{spec.name}.pid")
         assert pid is not None, f"{spec.name} has no pid file"
         try:
-            return wait_ready(spec.name, self.run_dir / f"{spec.name}.ready", self.run_dir / f"{spec.name}.log",
-                              lambda: self._is_alive(pid), timeout)
+            return wait_ready(
+                spec.name,
+                self.run_dir / f"{spec.name}.ready",
+                self.run_dir / f"{spec.name}.log",
+                lambda: self._is_alive(pid),
+                timeout,
+            )
         except (DaemonExited, DaemonTimeout) as error:
             raise StackError(str(error)) from None
 

@@ -62,8 +62,14 @@ class Usage:
 
     @classmethod
     def from_proto(cls, m: generation_pb2.Usage) -> Usage:
-        return cls(m.prompt_tokens, m.cached_tokens, m.completion_tokens,
-                   m.time_to_first_token_seconds, m.total_time_seconds, m.num_preemptions)
+        return cls(
+            m.prompt_tokens,
+            m.cached_tokens,
+            m.completion_tokens,
+            m.time_to_first_token_seconds,
+            m.total_time_seconds,
+            m.num_preemptions,
+        )
 
     @property
     def cache_hit_rate(self) -> float:
@@ -118,8 +124,9 @@ class Completion:
             last = chunk
         if last is None or last.finish_reason is None or last.usage is None:
             raise ValueError(f"stream from {worker_address} ended without finish_reason and usage")
-        return cls(request_id, "".join(texts), tuple(token_ids), last.finish_reason, last.usage,
-                   worker_address)
+        return cls(
+            request_id, "".join(texts), tuple(token_ids), last.finish_reason, last.usage, worker_address
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -143,9 +150,21 @@ class ModelInfo:
 
     @classmethod
     def from_proto(cls, m: generation_pb2.GetModelInfoResponse) -> ModelInfo:
-        return cls(m.model_id, m.model_revision, m.architecture, m.dtype, m.device, m.block_size,
-                   m.num_blocks, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
-                   m.has_chat_template, m.pool_id or None, m.blockd_address)
+        return cls(
+            m.model_id,
+            m.model_revision,
+            m.architecture,
+            m.dtype,
+            m.device,
+            m.block_size,
+            m.num_blocks,
+            m.max_model_len,
+            m.vocab_size,
+            tuple(m.eos_token_ids),
+            m.has_chat_template,
+            m.pool_id or None,
+            m.blockd_address,
+        )
 
 
 # ---------------------------------------------------------------- directory
@@ -172,10 +191,22 @@ class PoolStats:
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolStats) -> PoolStats:
-        return cls(m.pool_id or None, m.num_blocks, m.block_size, m.num_free_blocks,
-                   m.num_evictable_blocks, m.num_referenced_blocks, m.num_pinned_blocks,
-                   m.num_cached_blocks, m.num_sequences, m.queried_tokens, m.hit_tokens,
-                   m.num_evictions, m.num_admissions, m.num_admissions_deferred)
+        return cls(
+            m.pool_id or None,
+            m.num_blocks,
+            m.block_size,
+            m.num_free_blocks,
+            m.num_evictable_blocks,
+            m.num_referenced_blocks,
+            m.num_pinned_blocks,
+            m.num_cached_blocks,
+            m.num_sequences,
+            m.queried_tokens,
+            m.hit_tokens,
+            m.num_evictions,
+            m.num_admissions,
+            m.num_admissions_deferred,
+        )
 
     @property
     def hit_rate(self) -> float:
@@ -191,8 +222,11 @@ class Stats:
 
     @classmethod
     def from_proto(cls, m: directory_pb2.GetStatsResponse) -> Stats:
-        return cls(PoolStats.from_proto(m.total), tuple(PoolStats.from_proto(p) for p in m.pools),
-                   m.last_event_sequence)
+        return cls(
+            PoolStats.from_proto(m.total),
+            tuple(PoolStats.from_proto(p) for p in m.pools),
+            m.last_event_sequence,
+        )
 
 
 @dataclass(frozen=True)
@@ -221,8 +255,17 @@ class PoolInfo:
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolInfo) -> PoolInfo:
-        return cls(m.pool_id, m.epoch, Namespace.from_proto(m.namespace), m.block_size, m.num_blocks,
-                   m.worker_address, m.lease_remaining_seconds, m.is_live, PoolStats.from_proto(m.stats))
+        return cls(
+            m.pool_id,
+            m.epoch,
+            Namespace.from_proto(m.namespace),
+            m.block_size,
+            m.num_blocks,
+            m.worker_address,
+            m.lease_remaining_seconds,
+            m.is_live,
+            PoolStats.from_proto(m.stats),
+        )
 
 
 @dataclass(frozen=True)
@@ -241,8 +284,17 @@ class BlockInfo:
 
     @classmethod
     def from_proto(cls, m: directory_pb2.BlockInfo) -> BlockInfo:
-        return cls(m.pool_id, m.block_id, m.block_hash, m.parent_hash or None, tuple(m.token_ids),
-                   m.ref_count, m.is_pinned, m.block_index, m.is_salted)
+        return cls(
+            m.pool_id,
+            m.block_id,
+            m.block_hash,
+            m.parent_hash or None,
+            tuple(m.token_ids),
+            m.ref_count,
+            m.is_pinned,
+            m.block_index,
+            m.is_salted,
+        )
 
 
 @dataclass(frozen=True)
@@ -269,8 +321,12 @@ class Route:
 
     @classmethod
     def from_proto(cls, m: directory_pb2.RouteResponse) -> Route:
-        return cls(m.pool_id or None, m.worker_address or None, m.num_cached_tokens,
-                   tuple(PoolMatch.from_proto(c) for c in m.candidates))
+        return cls(
+            m.pool_id or None,
+            m.worker_address or None,
+            m.num_cached_tokens,
+            tuple(PoolMatch.from_proto(c) for c in m.candidates),
+        )
 
 
 @dataclass(frozen=True)
@@ -311,5 +367,12 @@ class BlockEvent:
 
     @classmethod
     def from_proto(cls, m: directory_pb2.WatchEventsResponse) -> BlockEvent:
-        return cls(m.sequence, _EVENT_KINDS.get(m.kind, "unspecified"), m.pool_id, tuple(m.block_hashes),
-                   m.parent_hash or None, tuple(m.token_ids), tuple(m.block_ids))
+        return cls(
+            m.sequence,
+            _EVENT_KINDS.get(m.kind, "unspecified"),
+            m.pool_id,
+            tuple(m.block_hashes),
+            m.parent_hash or None,
+            tuple(m.token_ids),
+            tuple(m.block_ids),
+        )

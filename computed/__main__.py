@@ -23,76 +23,163 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
     p = argparse.ArgumentParser(
         prog="computed",
         description="Compute daemon: serves a Llama-family model with a paged KV pool whose "
-                    "blocks blockd indexes for prefix caching.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--listen", default=_env("COMPUTED_LISTEN", "127.0.0.1:50052"),
-                   help="gRPC listen address, host:port or unix:PATH [env COMPUTED_LISTEN]")
-    p.add_argument("--blockd", default=_env("COMPUTED_BLOCKD", "127.0.0.1:50051"),
-                   help="blockd address [env COMPUTED_BLOCKD]")
-    p.add_argument("--model", default=_env("COMPUTED_MODEL", str(DEFAULT_MODEL_DIR)),
-                   help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json); "
-                        "default: the built-in model [env COMPUTED_MODEL]")
-    p.add_argument("--device", choices=DEVICES, default=_env("COMPUTED_DEVICE", "auto"),
-                   help="auto picks cuda when available [env COMPUTED_DEVICE]")
-    p.add_argument("--dtype", choices=DTYPES, default=_env("COMPUTED_DTYPE", "auto"),
-                   help="auto: float32 on CPU, bfloat16 on CUDA [env COMPUTED_DTYPE]")
-    p.add_argument("--block-size", type=int, default=int(_env("COMPUTED_BLOCK_SIZE", "16")),
-                   help="tokens per KV block [env COMPUTED_BLOCK_SIZE]")
-    p.add_argument("--num-blocks", type=int, default=_env("COMPUTED_NUM_BLOCKS"),
-                   help="KV pool size in blocks (default: sized from --kv-cache-memory on CPU, "
-                        "--gpu-memory-utilization on CUDA) [env COMPUTED_NUM_BLOCKS]")
-    p.add_argument("--kv-cache-memory", type=int, default=int(_env("COMPUTED_KV_CACHE_MEMORY", 512 << 20)),
-                   help="KV pool bytes on CPU when --num-blocks is not given [env COMPUTED_KV_CACHE_MEMORY]")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=float(_env("COMPUTED_GPU_MEMORY_UTILIZATION", "0.9")),
-                   help="fraction of free GPU memory for the KV pool [env COMPUTED_GPU_MEMORY_UTILIZATION]")
-    p.add_argument("--max-num-seqs", type=int, default=int(_env("COMPUTED_MAX_NUM_SEQS", "64")),
-                   help="sequences running at once [env COMPUTED_MAX_NUM_SEQS]")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(_env("COMPUTED_MAX_NUM_BATCHED_TOKENS", "2048")),
-                   help="model tokens per step; longer prefills are chunked "
-                        "[env COMPUTED_MAX_NUM_BATCHED_TOKENS]")
-    p.add_argument("--max-model-len", type=int, default=_env("COMPUTED_MAX_MODEL_LEN"),
-                   help="longest prompt + completion (default: the model's) [env COMPUTED_MAX_MODEL_LEN]")
-    p.add_argument("--worker-address", default=_env("COMPUTED_WORKER_ADDRESS"),
-                   help="address announced to blockd for routing (default: the bound address) "
-                        "[env COMPUTED_WORKER_ADDRESS]")
-    p.add_argument("--ready-file", default=_env("COMPUTED_READY_FILE"),
-                   help="write the bound address here once serving [env COMPUTED_READY_FILE]")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=_env("COMPUTED_LOG_FORMAT", "auto"),
-                   help="auto: console on a TTY, JSON otherwise [env COMPUTED_LOG_FORMAT]")
-    p.add_argument("--metrics-port", type=int, default=_env("COMPUTED_METRICS_PORT"),
-                   help="serve Prometheus metrics on this port (0: any free port) [env COMPUTED_METRICS_PORT]")
+        "blocks blockd indexes for prefix caching.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--listen",
+        default=_env("COMPUTED_LISTEN", "127.0.0.1:50052"),
+        help="gRPC listen address, host:port or unix:PATH [env COMPUTED_LISTEN]",
+    )
+    p.add_argument(
+        "--blockd",
+        default=_env("COMPUTED_BLOCKD", "127.0.0.1:50051"),
+        help="blockd address [env COMPUTED_BLOCKD]",
+    )
+    p.add_argument(
+        "--model",
+        default=_env("COMPUTED_MODEL", str(DEFAULT_MODEL_DIR)),
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json); "
+        "default: the built-in model [env COMPUTED_MODEL]",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=_env("COMPUTED_DEVICE", "auto"),
+        help="auto picks cuda when available [env COMPUTED_DEVICE]",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=_env("COMPUTED_DTYPE", "auto"),
+        help="auto: float32 on CPU, bfloat16 on CUDA [env COMPUTED_DTYPE]",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=int(_env("COMPUTED_BLOCK_SIZE", "16")),
+        help="tokens per KV block [env COMPUTED_BLOCK_SIZE]",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=_env("COMPUTED_NUM_BLOCKS"),
+        help="KV pool size in blocks (default: sized from --kv-cache-memory on CPU, "
+        "--gpu-memory-utilization on CUDA) [env COMPUTED_NUM_BLOCKS]",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=int(_env("COMPUTED_KV_CACHE_MEMORY", 512 << 20)),
+        help="KV pool bytes on CPU when --num-blocks is not given [env COMPUTED_KV_CACHE_MEMORY]",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=float(_env("COMPUTED_GPU_MEMORY_UTILIZATION", "0.9")),
+        help="fraction of free GPU memory for the KV pool [env COMPUTED_GPU_MEMORY_UTILIZATION]",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=int(_env("COMPUTED_MAX_NUM_SEQS", "64")),
+        help="sequences running at once [env COMPUTED_MAX_NUM_SEQS]",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(_env("COMPUTED_MAX_NUM_BATCHED_TOKENS", "2048")),
+        help="model tokens per step; longer prefills are chunked [env COMPUTED_MAX_NUM_BATCHED_TOKENS]",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_env("COMPUTED_MAX_MODEL_LEN"),
+        help="longest prompt + completion (default: the model's) [env COMPUTED_MAX_MODEL_LEN]",
+    )
+    p.add_argument(
+        "--worker-address",
+        default=_env("COMPUTED_WORKER_ADDRESS"),
+        help="address announced to blockd for routing (default: the bound address) "
+        "[env COMPUTED_WORKER_ADDRESS]",
+    )
+    p.add_argument(
+        "--ready-file",
+        default=_env("COMPUTED_READY_FILE"),
+        help="write the bound address here once serving [env COMPUTED_READY_FILE]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_env("COMPUTED_LOG_FORMAT", "auto"),
+        help="auto: console on a TTY, JSON otherwise [env COMPUTED_LOG_FORMAT]",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("COMPUTED_METRICS_PORT"),
+        help="serve Prometheus metrics on this port (0: any free port) [env COMPUTED_METRICS_PORT]",
+    )
     p.add_argument("--tls-cert", default=_env("COMPUTED_TLS_CERT"), help="server certificate (PEM)")
     p.add_argument("--tls-key", default=_env("COMPUTED_TLS_KEY"), help="server private key (PEM)")
-    p.add_argument("--tls-client-ca", default=_env("COMPUTED_TLS_CLIENT_CA"),
-                   help="require client certificates signed by this CA")
-    p.add_argument("--blockd-tls-ca", default=_env("COMPUTED_BLOCKD_TLS_CA"),
-                   help="connect to blockd over TLS, verifying it with this CA")
-    p.add_argument("--blockd-tls-cert", default=_env("COMPUTED_BLOCKD_TLS_CERT"),
-                   help="client certificate presented to blockd")
-    p.add_argument("--blockd-tls-key", default=_env("COMPUTED_BLOCKD_TLS_KEY"),
-                   help="client key presented to blockd")
-    p.add_argument("--worker-token", default=_env(WORKER_TOKEN_ENV),
-                   help="blockd's worker token, sent as 'authorization: Bearer <token>' on every call "
-                        "to blockd (blockd --worker-token) [env COMPUTED_WORKER_TOKEN]")
-    p.add_argument("--drain-seconds", type=float, default=float(_env("COMPUTED_DRAIN_SECONDS", "30")),
-                   help="on SIGTERM, let running requests finish this long [env COMPUTED_DRAIN_SECONDS]")
+    p.add_argument(
+        "--tls-client-ca",
+        default=_env("COMPUTED_TLS_CLIENT_CA"),
+        help="require client certificates signed by this CA",
+    )
+    p.add_argument(
+        "--blockd-tls-ca",
+        default=_env("COMPUTED_BLOCKD_TLS_CA"),
+        help="connect to blockd over TLS, verifying it with this CA",
+    )
+    p.add_argument(
+        "--blockd-tls-cert",
+        default=_env("COMPUTED_BLOCKD_TLS_CERT"),
+        help="client certificate presented to blockd",
+    )
+    p.add_argument(
+        "--blockd-tls-key", default=_env("COMPUTED_BLOCKD_TLS_KEY"), help="client key presented to blockd"
+    )
+    p.add_argument(
+        "--worker-token",
+        default=_env(WORKER_TOKEN_ENV),
+        help="blockd's worker token, sent as 'authorization: Bearer <token>' on every call "
+        "to blockd (blockd --worker-token) [env COMPUTED_WORKER_TOKEN]",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=float(_env("COMPUTED_DRAIN_SECONDS", "30")),
+        help="on SIGTERM, let running requests finish this long [env COMPUTED_DRAIN_SECONDS]",
+    )
     a = p.parse_args(argv)
     try:
         return ComputedConfig(
-            listen=a.listen, blockd=a.blockd, model=Path(a.model), device=a.device, dtype=a.dtype,
-            block_size=a.block_size, num_blocks=int(a.num_blocks) if a.num_blocks is not None else None,
-            kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+            listen=a.listen,
+            blockd=a.blockd,
+            model=Path(a.model),
+            device=a.device,
+            dtype=a.dtype,
+            block_size=a.block_size,
+            num_blocks=int(a.num_blocks) if a.num_blocks is not None else None,
+            kv_cache_memory_bytes=a.kv_cache_memory,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
             max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
-            worker_address=a.worker_address, ready_file=_optional_path(a.ready_file),
+            worker_address=a.worker_address,
+            ready_file=_optional_path(a.ready_file),
             log_format=a.log_format,
             metrics_port=int(a.metrics_port) if a.metrics_port is not None else None,
-            tls_cert=_optional_path(a.tls_cert), tls_key=_optional_path(a.tls_key),
-            tls_client_ca=_optional_path(a.tls_client_ca), blockd_tls_ca=_optional_path(a.blockd_tls_ca),
-            blockd_tls_cert=_optional_path(a.blockd_tls_cert), blockd_tls_key=_optional_path(a.blockd_tls_key),
-            worker_token=a.worker_token, drain_seconds=a.drain_seconds)
+            tls_cert=_optional_path(a.tls_cert),
+            tls_key=_optional_path(a.tls_key),
+            tls_client_ca=_optional_path(a.tls_client_ca),
+            blockd_tls_ca=_optional_path(a.blockd_tls_ca),
+            blockd_tls_cert=_optional_path(a.blockd_tls_cert),
+            blockd_tls_key=_optional_path(a.blockd_tls_key),
+            worker_token=a.worker_token,
+            drain_seconds=a.drain_seconds,
+        )
     except ValueError as exc:
         p.error(str(exc))
 

@@ -104,15 +104,22 @@ class Tile:
         bias = None
         if plan.needs_key_mask:
             padding = np.arange(width_k)[None, :] >= plan.key_lens[:, None]  # (I, Lm)
-            bias = torch.zeros(num_items, 1, 1, width_k).masked_fill_(
-                torch.from_numpy(padding)[:, None, None, :], float("-inf")).to(device)
+            bias = (
+                torch.zeros(num_items, 1, 1, width_k)
+                .masked_fill_(torch.from_numpy(padding)[:, None, None, :], float("-inf"))
+                .to(device)
+            )
         return cls(
             query_rows=torch.from_numpy(plan.query_rows).to(device),
             key_slots=torch.from_numpy(plan.key_slots.reshape(-1)).to(device),
-            key_bias=bias, causal=plan.causal,
+            key_bias=bias,
+            causal=plan.causal,
             valid=torch.from_numpy(plan.valid).to(device),
             valid_rows=torch.from_numpy(plan.valid_rows).to(device),
-            num_items=num_items, num_queries=width_q, num_keys=width_k)
+            num_items=num_items,
+            num_queries=width_q,
+            num_keys=width_k,
+        )
 
 
 @dataclass(frozen=True)
@@ -166,14 +173,14 @@ class AttentionBatch:
         num_blocks = -(-contexts // block_size)
         tables = np.zeros((len(spans), int(num_blocks.max())), dtype=np.int64)
         for i, span in enumerate(spans):
-            tables[i, :num_blocks[i]] = span.block_table[:num_blocks[i]]
+            tables[i, : num_blocks[i]] = span.block_table[: num_blocks[i]]
         span_of_token = np.repeat(np.arange(len(spans)), lens)  # (T,)
         positions = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts - firsts, lens)
         slots = tables[span_of_token, positions // block_size] * block_size + positions % block_size
         writes = np.ones(len(positions), dtype=bool)
         for i, span in enumerate(spans):
             if span.write_kv is not True:
-                writes[starts[i]:starts[i] + lens[i]] = span.write_kv
+                writes[starts[i] : starts[i] + lens[i]] = span.write_kv
         write_index = np.flatnonzero(writes)
         write_slots = slots[write_index]
         if len(np.unique(write_slots)) != len(write_slots):
@@ -187,8 +194,10 @@ class AttentionBatch:
             positions=torch.from_numpy(positions).to(device),
             write_slots=torch.from_numpy(write_slots).to(device),
             write_token_index=torch.from_numpy(write_index.astype(np.int64)).to(device),
-            spans=tuple(SequenceSpan(int(starts[i]), int(lens[i]), int(contexts[i]),
-                                     host_tables[i, :num_blocks[i]]) for i in range(len(spans))),
+            spans=tuple(
+                SequenceSpan(int(starts[i]), int(lens[i]), int(contexts[i]), host_tables[i, : num_blocks[i]])
+                for i in range(len(spans))
+            ),
             last_token_index=torch.from_numpy(starts + lens - 1).to(device),
             max_position=int(contexts.max()) - 1,
             tiles=tiles,
@@ -197,8 +206,15 @@ class AttentionBatch:
         )
 
 
-def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, layer_idx: int,
-                    batch: AttentionBatch, pool: KVPool, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    layer_idx: int,
+    batch: AttentionBatch,
+    pool: KVPool,
+    scale: float,
+) -> torch.Tensor:
     """Write the new K/V into the pool, then attend every query over its context.
 
     q (T, H, D), k_new/v_new (T, Hkv, D) -> out (T, H, D). H must be a multiple of Hkv.
@@ -226,8 +242,9 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l
     return _merge(outs, lses, batch.merge_index).to(q.dtype)
 
 
-def _attend_tile(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: Tile, num_kv_heads: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_tile(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: Tile, num_kv_heads: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile's attention. Returns float32 out (I*Qm, H, D) and log-sum-exp (I*Qm, H)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -240,27 +257,35 @@ def _attend_tile(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile
             # Causal rows need their own positions: repeat K/V per query head instead.
             kh = kt.transpose(1, 2).repeat_interleave(group, dim=1)  # (I, H, Lm, D)
             vh = vt.transpose(1, 2).repeat_interleave(group, dim=1)
-            o, lse = _FLASH_CPU(qt.transpose(1, 2), kh, vh, 0.0, True, scale=scale)  # (I, H, Qm, D), (I, H, Qm)
-            return (o.transpose(1, 2).reshape(items * width_q, num_heads, head_dim),
-                    lse.transpose(1, 2).reshape(items * width_q, num_heads))
+            o, lse = _FLASH_CPU(
+                qt.transpose(1, 2), kh, vh, 0.0, True, scale=scale
+            )  # (I, H, Qm, D), (I, H, Qm)
+            return (
+                o.transpose(1, 2).reshape(items * width_q, num_heads, head_dim),
+                lse.transpose(1, 2).reshape(items * width_q, num_heads),
+            )
         # Fold each K/V head's query heads into its query rows: (I, Hkv, Qm * g, D).
         qf = qt.view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         qf = qf.reshape(items, num_kv_heads, width_q * group, head_dim)
-        o, lse = _FLASH_CPU(qf, kt.transpose(1, 2), vt.transpose(1, 2), 0.0, False,
-                            attn_mask=tile.key_bias, scale=scale)  # (I, Hkv, Qm*g, D), (I, Hkv, Qm*g)
+        o, lse = _FLASH_CPU(
+            qf, kt.transpose(1, 2), vt.transpose(1, 2), 0.0, False, attn_mask=tile.key_bias, scale=scale
+        )  # (I, Hkv, Qm*g, D), (I, Hkv, Qm*g)
         o = o.view(items, num_kv_heads, width_q, group, head_dim).permute(0, 2, 1, 3, 4)
         lse = lse.view(items, num_kv_heads, width_q, group).permute(0, 2, 1, 3)
         return o.reshape(items * width_q, num_heads, head_dim), lse.reshape(items * width_q, num_heads)
     return _attend_tile_matmul(qt, kt, vt, tile, scale)
 
 
-def _attend_tile_matmul(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, tile: Tile,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_tile_matmul(
+    qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, tile: Tile, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same in float32 matmuls (any device, any dtype)."""
     items, width_q, num_heads, head_dim = qt.shape
     width_k, num_kv_heads = kt.shape[1], kt.shape[2]
     group = num_heads // num_kv_heads
-    qg = qt.float().view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # (I, Hkv, g, Qm, D)
+    qg = (
+        qt.float().view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    )  # (I, Hkv, g, Qm, D)
     scores = qg @ kt.float().permute(0, 2, 3, 1)[:, :, None] * scale  # (I, Hkv, g, Qm, Lm)
     if tile.causal:
         future = torch.ones(width_q, width_k, dtype=torch.bool, device=qt.device).triu(1)
@@ -287,8 +312,13 @@ def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor], index: torch.Tens
     return (o_r * weight[..., None]).sum(dim=1) / weight.sum(dim=1)[..., None]
 
 
-def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-           batch: AttentionBatch) -> None:
+def _write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    batch: AttentionBatch,
+) -> None:
     num_writes = batch.write_slots.shape[0]
     if num_writes == 0:
         return
@@ -297,7 +327,9 @@ def _write(key_cache: torch.Tensor, value_cache: torch.Tensor, k_new: torch.Tens
         v_new = v_new.index_select(0, batch.write_token_index)
     _, _, num_kv_heads, head_dim = key_cache.shape
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.write_slots, k_new.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.write_slots, v_new.to(value_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, batch.write_slots, v_new.to(value_cache.dtype)
+    )
 
 
 def _check_span(span: SpanInput, block_size: int) -> None:
@@ -308,7 +340,8 @@ def _check_span(span: SpanInput, block_size: int) -> None:
     context_len = span.num_computed_tokens + span.num_new_tokens
     if len(span.block_table) * block_size < context_len:
         raise ValueError(
-            f"block table of {len(span.block_table)} blocks of {block_size} cannot hold {context_len} tokens")
+            f"block table of {len(span.block_table)} blocks of {block_size} cannot hold {context_len} tokens"
+        )
     if any(block < 0 for block in span.block_table):
         raise ValueError(f"negative block id in {list(span.block_table)}")
     if not isinstance(span.write_kv, bool) and len(span.write_kv) != span.num_new_tokens:

@@ -112,8 +112,9 @@ def find_segments(tables: np.ndarray, shareable: np.ndarray) -> list[Segment]:
         differs = (rest != rest[0]).any(axis=0)
         run = int(differs.argmax()) if differs.any() else rest.shape[1]
         if run > 0 and rest[0, 0] >= 0:
-            segments.append(Segment(tuple(int(m) for m in members), depth, run,
-                                    tuple(int(b) for b in rest[0, :run])))
+            segments.append(
+                Segment(tuple(int(m) for m in members), depth, run, tuple(int(b) for b in rest[0, :run]))
+            )
         depth += run
         if depth >= width:
             continue
@@ -132,8 +133,13 @@ class _Item:
     causal: bool
 
 
-def plan_attention(query_starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
-                   tables: np.ndarray, block_size: int) -> AttentionPlan:
+def plan_attention(
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    tables: np.ndarray,
+    block_size: int,
+) -> AttentionPlan:
     """The tiles of one step. `tables` (S, N) int64 block ids (padding past a row's blocks
     is never read); span i's new queries are flat rows `query_starts[i] ...` at positions
     `context_lens[i] - query_lens[i] ...`."""
@@ -157,8 +163,12 @@ def plan_attention(query_starts: Sequence[int], query_lens: Sequence[int], conte
         begin = int(covered[i]) * block_size
         if firsts[i] > begin:
             items.append(_Item(rows, _slots(tables[i], begin, int(firsts[i]), block_size), causal=False))
-        items.append(_Item(rows, _slots(tables[i], int(firsts[i]), int(contexts[i]), block_size), causal=True))
-    tiles = _tile(items) + _decode_tiles(np.flatnonzero(decode), starts, contexts, covered, tables, block_size)
+        items.append(
+            _Item(rows, _slots(tables[i], int(firsts[i]), int(contexts[i]), block_size), causal=True)
+        )
+    tiles = _tile(items) + _decode_tiles(
+        np.flatnonzero(decode), starts, contexts, covered, tables, block_size
+    )
     return AttentionPlan(tiles, tuple(segments), _merge_index(tiles, int(lens.sum())))
 
 
@@ -174,8 +184,14 @@ def _merge_index(tiles: tuple[TilePlan, ...], num_rows: int) -> np.ndarray | Non
     return index
 
 
-def _decode_tiles(spans: np.ndarray, starts: np.ndarray, contexts: np.ndarray, covered: np.ndarray,
-                  tables: np.ndarray, block_size: int) -> tuple[TilePlan, ...]:
+def _decode_tiles(
+    spans: np.ndarray,
+    starts: np.ndarray,
+    contexts: np.ndarray,
+    covered: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+) -> tuple[TilePlan, ...]:
     """One new token per span sees its whole private context, itself included: one item
     per span, built for all of them at once (the common decode step)."""
     if len(spans) == 0:
@@ -192,9 +208,16 @@ def _decode_tiles(spans: np.ndarray, starts: np.ndarray, contexts: np.ndarray, c
         positions = begins[chosen, None] + np.minimum(np.arange(width)[None, :], lens[:, None] - 1)  # (I, Lm)
         blocks = np.take_along_axis(tables[members], positions // block_size, axis=1)
         rows = starts[members]
-        tiles.append(TilePlan(query_rows=rows[:, None], key_slots=blocks * block_size + positions % block_size,
-                              key_lens=lens, causal=False, valid=np.arange(len(members), dtype=np.int64),
-                              valid_rows=rows))
+        tiles.append(
+            TilePlan(
+                query_rows=rows[:, None],
+                key_slots=blocks * block_size + positions % block_size,
+                key_lens=lens,
+                causal=False,
+                valid=np.arange(len(members), dtype=np.int64),
+                valid_rows=rows,
+            )
+        )
     return tuple(tiles)
 
 
@@ -223,15 +246,21 @@ def _tile(items: list[_Item]) -> tuple[TilePlan, ...]:
         key_slots = np.empty((len(group), width_k), dtype=np.int64)
         valid: list[np.ndarray] = []
         for i, item in enumerate(group):
-            query_rows[i, :len(item.rows)] = item.rows
-            query_rows[i, len(item.rows):] = item.rows[0]
-            key_slots[i, :len(item.slots)] = item.slots
-            key_slots[i, len(item.slots):] = item.slots[0]
+            query_rows[i, : len(item.rows)] = item.rows
+            query_rows[i, len(item.rows) :] = item.rows[0]
+            key_slots[i, : len(item.slots)] = item.slots
+            key_slots[i, len(item.slots) :] = item.slots[0]
             valid.append(i * width_q + np.arange(len(item.rows)))
-        tiles.append(TilePlan(
-            query_rows=query_rows, key_slots=key_slots,
-            key_lens=np.array([len(item.slots) for item in group], dtype=np.int64), causal=causal,
-            valid=np.concatenate(valid), valid_rows=np.concatenate([item.rows for item in group])))
+        tiles.append(
+            TilePlan(
+                query_rows=query_rows,
+                key_slots=key_slots,
+                key_lens=np.array([len(item.slots) for item in group], dtype=np.int64),
+                causal=causal,
+                valid=np.concatenate(valid),
+                valid_rows=np.concatenate([item.rows for item in group]),
+            )
+        )
     return tuple(tiles)
 
 

@@ -41,8 +41,9 @@ class Directory(Protocol):
 
     async def step(self, ops: DirectoryOps, /) -> DirectoryResult: ...
 
-    async def recover(self, sequences: list[ResyncSequence],
-                      stopping: asyncio.Event | None = None, /) -> None: ...
+    async def recover(
+        self, sequences: list[ResyncSequence], stopping: asyncio.Event | None = None, /
+    ) -> None: ...
 
     async def renew_forever(self, wake: asyncio.Event, /) -> None:
         """Keep the lease alive; set `needs_recovery` and `wake` when blockd lost it."""

@@ -56,18 +56,28 @@ class PoolLease:
 
 
 class DirectoryClient:
-    def __init__(self, address: str, spec: PoolSpec,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 call_timeout: float = 10.0, worker_token: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        spec: PoolSpec,
+        credentials: grpc.ChannelCredentials | None = None,
+        call_timeout: float = 10.0,
+        worker_token: str | None = None,
+    ) -> None:
         self.address = address
         self.spec = spec
         self.call_timeout = call_timeout
         token = worker_token if worker_token is not None else os.environ.get(WORKER_TOKEN_ENV)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
-                         else grpc.aio.insecure_channel(address, options=options))
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._channel = (
+            grpc.aio.secure_channel(address, credentials, options=options)
+            if credentials
+            else grpc.aio.insecure_channel(address, options=options)
+        )
         self._stub = pb_grpc.BlockDirectoryServiceStub(self._channel)
         self.lease: PoolLease | None = None
         # Set by the lease renewer when blockd no longer knows our epoch.
@@ -79,44 +89,82 @@ class DirectoryClient:
     async def register(self) -> PoolLease:
         spec = self.spec
         request = pb.RegisterPoolRequest(
-            num_blocks=spec.num_blocks, block_size=spec.block_size,
-            namespace=pb.Namespace(model_id=spec.model_id, model_revision=spec.model_revision,
-                                   dtype=spec.dtype),
+            num_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            namespace=pb.Namespace(
+                model_id=spec.model_id, model_revision=spec.model_revision, dtype=spec.dtype
+            ),
             worker_address=spec.worker_address,
             pool_id=self.lease.pool_id if self.lease else "",
-            pool_token=self.lease.pool_token if self.lease else "")
+            pool_token=self.lease.pool_token if self.lease else "",
+        )
         reply = await self._call(self._stub.RegisterPool, request)
         self.lease = PoolLease(reply.pool_id, reply.epoch, reply.lease_ttl_seconds, reply.pool_token)
-        log.info("pool_registered", pool_id=reply.pool_id, epoch=reply.epoch,
-                 lease_ttl=reply.lease_ttl_seconds, blockd=self.address)
+        log.info(
+            "pool_registered",
+            pool_id=reply.pool_id,
+            epoch=reply.epoch,
+            lease_ttl=reply.lease_ttl_seconds,
+            blockd=self.address,
+        )
         return self.lease
 
     async def step(self, ops: DirectoryOps) -> DirectoryResult:
         lease = self._require_lease()
         request = pb.StepRequest(
-            pool_id=lease.pool_id, epoch=lease.epoch,
-            commits=[pb.CommitOp(sequence_id=c.seq_id, block_ids=c.block_ids, token_ids=c.token_ids)
-                     for c in ops.commits],
+            pool_id=lease.pool_id,
+            epoch=lease.epoch,
+            commits=[
+                pb.CommitOp(sequence_id=c.seq_id, block_ids=c.block_ids, token_ids=c.token_ids)
+                for c in ops.commits
+            ],
             releases=[pb.ReleaseOp(sequence_id=s) for s in ops.releases],
             grows=[pb.GrowOp(sequence_id=g.seq_id, num_tokens=g.num_tokens) for g in ops.grows],
-            admits=[pb.AdmitOp(sequence_id=a.seq_id, token_ids=a.token_ids, cache_salt=a.cache_salt,
-                               public_prefix_tokens=a.public_prefix_tokens) for a in ops.admits])
+            admits=[
+                pb.AdmitOp(
+                    sequence_id=a.seq_id,
+                    token_ids=a.token_ids,
+                    cache_salt=a.cache_salt,
+                    public_prefix_tokens=a.public_prefix_tokens,
+                )
+                for a in ops.admits
+            ],
+        )
         reply = await self._call(self._stub.Step, request)
         return DirectoryResult(
             grows=[GrowOutcome(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
-            admits=[AdmitOutcome(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
-                    for a in reply.admits],
-            num_free_blocks=reply.num_free_blocks, num_evictable_blocks=reply.num_evictable_blocks)
+            admits=[
+                AdmitOutcome(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                for a in reply.admits
+            ],
+            num_free_blocks=reply.num_free_blocks,
+            num_evictable_blocks=reply.num_evictable_blocks,
+        )
 
     async def resync(self, sequences: list[LiveSequence]) -> None:
         lease = self._require_lease()
-        request = pb.ResyncRequest(pool_id=lease.pool_id, epoch=lease.epoch, sequences=[
-            pb.ResyncSequence(sequence_id=s.seq_id, block_ids=s.block_ids, token_ids=s.token_ids,
-                              cache_salt=s.cache_salt, public_prefix_tokens=s.public_prefix_tokens)
-            for s in sequences])
+        request = pb.ResyncRequest(
+            pool_id=lease.pool_id,
+            epoch=lease.epoch,
+            sequences=[
+                pb.ResyncSequence(
+                    sequence_id=s.seq_id,
+                    block_ids=s.block_ids,
+                    token_ids=s.token_ids,
+                    cache_salt=s.cache_salt,
+                    public_prefix_tokens=s.public_prefix_tokens,
+                )
+                for s in sequences
+            ],
+        )
         reply = await self._call(self._stub.Resync, request)
-        log.info("pool_resynced", pool_id=lease.pool_id, epoch=lease.epoch,
-                 sequences=reply.num_sequences, committed_blocks=reply.num_committed_blocks)
+        log.info(
+            "pool_resynced",
+            pool_id=lease.pool_id,
+            epoch=lease.epoch,
+            sequences=reply.num_sequences,
+            committed_blocks=reply.num_committed_blocks,
+        )
 
     async def recover(self, live: list[LiveSequence], stopping: asyncio.Event | None = None) -> None:
         """Re-register and resync until blockd answers (backoff with jitter)."""
@@ -142,8 +190,10 @@ class DirectoryClient:
             if self.lease is None or self.needs_recovery:
                 continue
             try:
-                await self._call(self._stub.RenewLease, pb.RenewLeaseRequest(
-                    pool_id=self.lease.pool_id, epoch=self.lease.epoch))
+                await self._call(
+                    self._stub.RenewLease,
+                    pb.RenewLeaseRequest(pool_id=self.lease.pool_id, epoch=self.lease.epoch),
+                )
             except DirectoryUnavailable as exc:
                 log.warning("lease_renewal_failed", error=str(exc))
                 self.needs_recovery = True
@@ -158,10 +208,18 @@ class DirectoryClient:
         try:
             return await method(request, timeout=self.call_timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
-                                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  grpc.StatusCode.CANCELLED):
+            if exc.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED,
+            ):
                 # Anything else means our bookkeeping disagrees with blockd's: resync heals it.
-                log.error("blockd_refused", method=getattr(method, "_method", b"?"),
-                          code=exc.code().name, details=exc.details())
+                log.error(
+                    "blockd_refused",
+                    method=getattr(method, "_method", b"?"),
+                    code=exc.code().name,
+                    details=exc.details(),
+                )
             raise DirectoryUnavailable(f"{exc.code().name}: {exc.details()}") from exc

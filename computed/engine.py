@@ -86,8 +86,13 @@ class Engine:
     iteration then recovers once and both are clear afterwards.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, directory: Directory,
-                 observer: EngineObserver | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        directory: Directory,
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.observer = observer
         self.runner = runner
@@ -106,8 +111,10 @@ class Engine:
 
     async def start(self) -> None:
         await self._directory.recover([], self._stopping)
-        self._tasks = [asyncio.create_task(self._loop(), name="engine-loop"),
-                       asyncio.create_task(self._directory.renew_forever(self._wake), name="lease")]
+        self._tasks = [
+            asyncio.create_task(self._loop(), name="engine-loop"),
+            asyncio.create_task(self._directory.renew_forever(self._wake), name="lease"),
+        ]
 
     async def stop(self, drain_seconds: float) -> None:
         """Stop admitting; let running requests finish within the deadline, cancel the rest."""
@@ -132,11 +139,23 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, decoder: TokenDecoder,
-                    cache_salt: str = "", public_prefix_tokens: int = 0) -> tuple[int, asyncio.Queue]:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        decoder: TokenDecoder,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+    ) -> tuple[int, asyncio.Queue]:
         """Queue a request; its chunks arrive on the returned queue (the last has usage)."""
-        seq = Sequence(next(self._sequence_ids), list(prompt_token_ids), params,
-                       self.scheduler.config.block_size, cache_salt, public_prefix_tokens)
+        seq = Sequence(
+            next(self._sequence_ids),
+            list(prompt_token_ids),
+            params,
+            self.scheduler.config.block_size,
+            cache_salt,
+            public_prefix_tokens,
+        )
         req = _Request(seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic())
         self._requests[seq.sequence_id] = req
         self.runner.add_sequence(seq.sequence_id, params.seed)
@@ -296,6 +315,7 @@ class Engine:
             completion_tokens=seq.num_completion_tokens,
             time_to_first_token_seconds=(req.first_token_at or now) - req.arrival,
             total_time_seconds=now - req.arrival,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions,
+        )
         tail = req.output.finish(stopped=stopped or reason == "cancelled")
         req.queue.put_nowait(GenerationChunk([], tail, reason, usage))

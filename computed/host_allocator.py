@@ -19,8 +19,10 @@ _M_MMAP_THRESHOLD = -3
 # threshold that keeps up to 1 GiB of freed heap for reuse.
 MMAP_THRESHOLD_BYTES = 1024 * 1024 * 1024
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024  # mallopt takes a C int
-ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
-               "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
+ENVIRONMENT = {
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
+}
 
 
 def keep_large_buffers() -> bool:
@@ -34,4 +36,5 @@ def keep_large_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )

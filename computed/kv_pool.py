@@ -16,11 +16,23 @@ class KVPool:
     so that reading a never-written slot yields finite numbers (masked reads stay NaN-free).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
-                            ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.num_layers = num_layers
@@ -30,8 +42,9 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=self.device)
+        self.kv = torch.zeros(
+            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
+        )
 
     def key(self, layer: int) -> torch.Tensor:
         """View (num_blocks, block_size, num_kv_heads, head_dim) of one layer's keys."""
@@ -46,21 +59,35 @@ class KVPool:
         return self.kv.numel() * self.kv.element_size()
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         """Bytes one block id costs across all layers, K and V."""
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @staticmethod
-    def num_blocks_for_budget(budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
-                              head_dim: int, dtype: torch.dtype) -> int:
+    def num_blocks_for_budget(
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
         """How many whole blocks fit in `budget_bytes` (0 when not even one does)."""
         per_block = KVPool.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         return max(0, budget_bytes // per_block)
 
     @staticmethod
-    def num_blocks_for_gpu_fraction(fraction: float, num_layers: int, block_size: int, num_kv_heads: int,
-                                    head_dim: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    def num_blocks_for_gpu_fraction(
+        fraction: float,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> int:
         """Blocks that fit so the device's total use stays within `fraction` of its memory.
 
         Call it after the weights are loaded: the budget is `fraction * total - used_now`,
@@ -73,5 +100,6 @@ class KVPool:
             raise ValueError(f"a GPU memory fraction needs a CUDA device, got {device}; give a byte budget")
         free, total = torch.cuda.mem_get_info(device)
         budget = int(fraction * total) - (total - free)
-        return KVPool.num_blocks_for_budget(max(0, budget), num_layers, block_size, num_kv_heads,
-                                            head_dim, dtype)
+        return KVPool.num_blocks_for_budget(
+            max(0, budget), num_layers, block_size, num_kv_heads, head_dim, dtype
+        )

@@ -15,10 +15,15 @@ class Histograms:
     """Histograms the engine feeds as things happen (counters are read from stats)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft = Histogram("computed_time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=registry)
-        self.step = Histogram("computed_step_seconds", "Engine iteration wall time",
-                              buckets=STEP_BUCKETS, registry=registry)
+        self.ttft = Histogram(
+            "computed_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.step = Histogram(
+            "computed_step_seconds", "Engine iteration wall time", buckets=STEP_BUCKETS, registry=registry
+        )
 
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
@@ -34,26 +39,35 @@ class _EngineCollector:
     def collect(self):
         s = self.engine.stats
         for name, doc, value in (
-            ("computed_prefill_tokens", "Prompt positions run through the model (cache misses)",
-             s.num_prefill_tokens),
+            (
+                "computed_prefill_tokens",
+                "Prompt positions run through the model (cache misses)",
+                s.num_prefill_tokens,
+            ),
             ("computed_decode_tokens", "Decode positions run through the model", s.num_decode_tokens),
             ("computed_steps", "Engine iterations", s.num_steps),
             ("computed_forward_seconds", "Seconds in forward passes", s.forward_seconds),
-            ("computed_directory_wait_seconds", "Seconds the engine waited on blockd",
-             s.directory_wait_seconds),
+            (
+                "computed_directory_wait_seconds",
+                "Seconds the engine waited on blockd",
+                s.directory_wait_seconds,
+            ),
             ("computed_blockd_recoveries", "Re-registrations with blockd", s.num_recoveries),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        outcomes = CounterMetricFamily("computed_requests", "Finished requests by outcome",
-                                       labels=["outcome"])
+        outcomes = CounterMetricFamily(
+            "computed_requests", "Finished requests by outcome", labels=["outcome"]
+        )
         for reason, count in sorted(s.finished.items()):
             outcomes.add_metric([reason], count)
         yield outcomes
         sched = self.engine.scheduler
-        yield GaugeMetricFamily("computed_requests_running", "Sequences holding blocks",
-                                value=len(sched.running))
-        yield GaugeMetricFamily("computed_requests_waiting", "Sequences waiting for admission",
-                                value=len(sched.waiting))
+        yield GaugeMetricFamily(
+            "computed_requests_running", "Sequences holding blocks", value=len(sched.running)
+        )
+        yield GaugeMetricFamily(
+            "computed_requests_waiting", "Sequences waiting for admission", value=len(sched.waiting)
+        )
 
 
 def serve_metrics(engine: Engine, port: int, registry: CollectorRegistry) -> int:

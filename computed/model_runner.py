@@ -55,16 +55,27 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             writes = [p >= chunk.write_from for p in range(chunk.start, chunk.end)]
-            spans.append(SpanInput(block_table=list(seq.block_table), num_computed_tokens=chunk.start,
-                                   num_new_tokens=chunk.num_tokens,
-                                   write_kv=writes[0] if len(set(writes)) == 1 else writes))
-            token_ids.extend(seq.token_ids[chunk.start:chunk.end])
+            spans.append(
+                SpanInput(
+                    block_table=list(seq.block_table),
+                    num_computed_tokens=chunk.start,
+                    num_new_tokens=chunk.num_tokens,
+                    write_kv=writes[0] if len(set(writes)) == 1 else writes,
+                )
+            )
+            token_ids.extend(seq.token_ids[chunk.start : chunk.end])
             if chunk.sample:
                 sample_rows.append(len(token_ids) - 1)
                 sample_chunks.append(i)
-        return ForwardInput(token_ids, spans, sample_rows, sample_chunks,
-                            [chunks[i].seq.params for i in sample_chunks],
-                            [chunks[i].seq.sequence_id for i in sample_chunks], len(chunks))
+        return ForwardInput(
+            token_ids,
+            spans,
+            sample_rows,
+            sample_chunks,
+            [chunks[i].seq.params for i in sample_chunks],
+            [chunks[i].seq.sequence_id for i in sample_chunks],
+            len(chunks),
+        )
 
     @torch.inference_mode()
     def run(self, inp: ForwardInput) -> list[int | None]:

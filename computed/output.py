@@ -31,7 +31,7 @@ class OutputText:
             search_from = max(0, self._emitted - self._hold)
             hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
             if hits:
-                self._text = self._text[:min(hits)]
+                self._text = self._text[: min(hits)]
                 return self._take(len(self._text)), True
         return self._take(len(self._text) - self._hold), False
 
@@ -44,6 +44,6 @@ class OutputText:
     def _take(self, upto: int) -> str:
         if upto <= self._emitted:
             return ""
-        out = self._text[self._emitted:upto]
+        out = self._text[self._emitted : upto]
         self._emitted = upto
         return out

@@ -42,13 +42,15 @@ class PrefixLeaders:
         key = self._key(seq)
         if key is None:
             return False
-        return any(self._common_blocks(seq.token_ids, leader.token_ids) > leader.num_committed_blocks
-                   for leader in self._by_key.get(key, ()))
+        return any(
+            self._common_blocks(seq.token_ids, leader.token_ids) > leader.num_committed_blocks
+            for leader in self._by_key.get(key, ())
+        )
 
     def _key(self, seq: Sequence) -> tuple | None:
         if seq.num_tokens < self.block_size:
             return None  # no full block: nothing to share
-        return seq.cache_salt, seq.public_prefix_tokens, tuple(seq.token_ids[:self.block_size])
+        return seq.cache_salt, seq.public_prefix_tokens, tuple(seq.token_ids[: self.block_size])
 
     def _common_blocks(self, a: list[int], b: list[int]) -> int:
         """Full blocks the two token lists share from the start (binary search on slices,

@@ -40,7 +40,9 @@ class PromptTokenizer(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = ...) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = ...
+    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,14 @@ class RequestPolicy:
         params = self.sampling_params(request, len(prompt))
         salt = _check_salt(request.cache_salt)
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise RequestError(f"request_id is over {MAX_REQUEST_ID_CHARS} characters "
-                               f"(it is echoed in every response)")
+            raise RequestError(
+                f"request_id is over {MAX_REQUEST_ID_CHARS} characters (it is echoed in every response)"
+            )
         return AdmittedRequest(prompt, params, salt, request.public_prefix_tokens, request.request_id)
 
-    def tokenize(self, text: str, messages: Sequence[ChatMessage],
-                 add_special_tokens: bool) -> tuple[list[int], str]:
+    def tokenize(
+        self, text: str, messages: Sequence[ChatMessage], add_special_tokens: bool
+    ) -> tuple[list[int], str]:
         """Token ids of `text` or of the rendered chat, and the rendered text ("" for text)."""
         if messages and text:
             raise RequestError("give either text or messages, not both")
@@ -135,12 +139,16 @@ class RequestPolicy:
             raise RequestError("the prompt tokenized to nothing; send some text")
         limit = self.info.max_model_len
         if len(tokens) >= limit:
-            raise RequestError(f"prompt has {len(tokens)} tokens but the model's context is {limit}: "
-                               f"send at most {limit - 1} prompt tokens")
+            raise RequestError(
+                f"prompt has {len(tokens)} tokens but the model's context is {limit}: "
+                f"send at most {limit - 1} prompt tokens"
+            )
         blocks = -(-(len(tokens) + 1) // self.info.block_size)
         if blocks > self.info.num_blocks:
-            raise CapacityError(f"prompt needs {blocks} KV blocks but the pool holds {self.info.num_blocks}; "
-                                f"shorten it or start computed with more --num-blocks")
+            raise CapacityError(
+                f"prompt needs {blocks} KV blocks but the pool holds {self.info.num_blocks}; "
+                f"shorten it or start computed with more --num-blocks"
+            )
         return tokens
 
     def sampling_params(self, request: GenerateInput, num_prompt_tokens: int) -> SamplingParams:
@@ -155,18 +163,23 @@ class RequestPolicy:
                 raise RequestError(
                     f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, but the model's "
                     f"context is {self.info.max_model_len}: at most {room} completion tokens fit; lower "
-                    f"max_tokens to {room} or shorten the prompt by {max_tokens - room} tokens")
+                    f"max_tokens to {room} or shorten the prompt by {max_tokens - room} tokens"
+                )
         for token in request.stop_token_ids:
             if token >= self.info.vocab_size:
-                raise RequestError(f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}")
+                raise RequestError(
+                    f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}"
+                )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_effective_temperature(request.temperature),
             top_p=request.top_p if request.top_p is not None else 1.0,
             top_k=request.top_k if request.top_k is not None else 0,
             seed=request.seed,
-            stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
-            ignore_eos=request.ignore_eos)
+            stop=tuple(request.stop),
+            stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+        )
 
     def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
         vocab = self.info.vocab_size
@@ -183,7 +196,8 @@ class RequestPolicy:
             raise RequestError("every message needs a role (system, user, assistant or tool)")
         try:
             return self.tokenizer.apply_chat_template(
-                [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True)
+                [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True
+            )
         except Exception as exc:  # templates raise whatever they like
             raise RequestError(f"chat template refused the messages: {exc}") from exc
 

@@ -7,8 +7,9 @@ import torch
 from computed.sequence import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
     """One token per row of `logits` (N, vocab), float32.
 
     Greedy rows take the argmax (ties: lowest id, as transformers does). Sampled rows

@@ -91,8 +91,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._admitting or self._pending_commits
-                    or self._pending_releases)
+        return bool(
+            self.waiting or self.running or self._admitting or self._pending_commits or self._pending_releases
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._admitting)
@@ -156,8 +157,9 @@ class Scheduler:
             # blockd has the final word (admitted=False changes nothing).
             if budget is not None and admits and blocks > budget:
                 break
-            admits.append(AdmitOp(seq.sequence_id, list(seq.token_ids), seq.cache_salt,
-                                  seq.public_prefix_tokens))
+            admits.append(
+                AdmitOp(seq.sequence_id, list(seq.token_ids), seq.cache_salt, seq.public_prefix_tokens)
+            )
             admitted.append(seq)
             leaders.add(seq, 0)
             if budget is not None:
@@ -211,9 +213,15 @@ class Scheduler:
         written yet (admitted, still waiting for its first prefill chunk) is left out:
         blockd refuses an empty token list, and `on_resynced` admits it again."""
         return [
-            ResyncSequence(seq.sequence_id, list(seq.block_table), seq.token_ids[:seq.num_computed_tokens],
-                           seq.cache_salt, seq.public_prefix_tokens)
-            for seq in self.running if seq.num_computed_tokens > 0
+            ResyncSequence(
+                seq.sequence_id,
+                list(seq.block_table),
+                seq.token_ids[: seq.num_computed_tokens],
+                seq.cache_salt,
+                seq.public_prefix_tokens,
+            )
+            for seq in self.running
+            if seq.num_computed_tokens > 0
         ]
 
     def on_resynced(self, declared: list[ResyncSequence]) -> None:
@@ -313,7 +321,8 @@ class Scheduler:
         if last <= first:
             return
         self._pending_commits.append(
-            CommitOp(seq.sequence_id, seq.block_table[first:last], seq.token_ids[first * bs:last * bs]))
+            CommitOp(seq.sequence_id, seq.block_table[first:last], seq.token_ids[first * bs : last * bs])
+        )
         seq.num_committed_blocks = last
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -97,7 +97,7 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def capacity(self) -> int:

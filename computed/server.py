@@ -37,8 +37,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ComputedServer:
     """A built but not yet started daemon. start() registers with blockd before SERVING."""
 
-    def __init__(self, config: ComputedConfig, server: grpc.aio.Server, engine: Engine,
-                 health_servicer: health.aio.HealthServicer, address: str) -> None:
+    def __init__(
+        self,
+        config: ComputedConfig,
+        server: grpc.aio.Server,
+        engine: Engine,
+        health_servicer: health.aio.HealthServicer,
+        address: str,
+    ) -> None:
         self.config = config
         self.server = server
         self.engine = engine
@@ -76,33 +82,71 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
     pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
-    log.info("model_loaded", model=loaded.model_id, revision=loaded.revision, arch=mc.architecture,
-             device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
-             block_size=config.block_size, max_model_len=max_model_len)
+    log.info(
+        "model_loaded",
+        model=loaded.model_id,
+        revision=loaded.revision,
+        arch=mc.architecture,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+    )
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                                      ("grpc.max_send_message_length", 16 * 1024 * 1024)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ("grpc.max_send_message_length", 16 * 1024 * 1024),
+        ]
+    )
     address = _bind(server, config)
     dtype_name = str(dtype).removeprefix("torch.")
     directory = DirectoryClient(
         config.blockd,
-        PoolSpec(num_blocks=num_blocks, block_size=config.block_size, model_id=loaded.model_id,
-                 model_revision=loaded.revision, dtype=dtype_name,
-                 worker_address=config.worker_address or address),
-        credentials=_blockd_credentials(config))
+        PoolSpec(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            model_id=loaded.model_id,
+            model_revision=loaded.revision,
+            dtype=dtype_name,
+            worker_address=config.worker_address or address,
+        ),
+        credentials=_blockd_credentials(config),
+    )
     eos = tuple(dict.fromkeys((*mc.eos_token_ids, *tokenizer.eos_token_ids)))
-    scheduler = Scheduler(SchedulerConfig(block_size=config.block_size, num_blocks=num_blocks,
-                                          max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-                                          max_num_batched_tokens=config.max_num_batched_tokens), eos)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        ),
+        eos,
+    )
     registry = CollectorRegistry()
-    engine = Engine(scheduler, ModelRunner(loaded.model, pool, config.block_size, device), directory,
-                    Histograms(registry) if config.metrics_port is not None else None)
+    engine = Engine(
+        scheduler,
+        ModelRunner(loaded.model, pool, config.block_size, device),
+        directory,
+        Histograms(registry) if config.metrics_port is not None else None,
+    )
     if config.metrics_port is not None:
         log.info("metrics_serving", port=serve_metrics(engine, config.metrics_port, registry))
-    info = WorkerInfo(model_id=loaded.model_id, model_revision=loaded.revision, architecture=mc.architecture,
-                      dtype=dtype_name, device=device.type, block_size=config.block_size,
-                      num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=mc.vocab_size,
-                      eos_token_ids=eos, blockd_address=config.blockd)
+    info = WorkerInfo(
+        model_id=loaded.model_id,
+        model_revision=loaded.revision,
+        architecture=mc.architecture,
+        dtype=dtype_name,
+        device=device.type,
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=eos,
+        blockd_address=config.blockd,
+    )
     add_service(GenerationServicer(engine, tokenizer, info), server, "GenerationService")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -144,10 +188,18 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _size_pool(config: ComputedConfig, mc, dtype: torch.dtype, device: torch.device) -> int:
     if device.type == "cuda":
-        return KVPool.num_blocks_for_gpu_fraction(config.gpu_memory_utilization, mc.num_layers,
-                                                  config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
-    return KVPool.num_blocks_for_budget(config.kv_cache_memory_bytes, mc.num_layers, config.block_size,
-                                        mc.num_kv_heads, mc.head_dim, dtype)
+        return KVPool.num_blocks_for_gpu_fraction(
+            config.gpu_memory_utilization,
+            mc.num_layers,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            device,
+        )
+    return KVPool.num_blocks_for_budget(
+        config.kv_cache_memory_bytes, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
+    )
 
 
 def _bind(server: grpc.aio.Server, config: ComputedConfig) -> str:
@@ -155,7 +207,9 @@ def _bind(server: grpc.aio.Server, config: ComputedConfig) -> str:
         client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca else None
         creds = grpc.ssl_server_credentials(
             [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-            root_certificates=client_ca, require_client_auth=client_ca is not None)
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
         port = server.add_secure_port(config.listen, creds)
     else:
         port = server.add_insecure_port(config.listen)
@@ -171,7 +225,8 @@ def _blockd_credentials(config: ComputedConfig) -> grpc.ChannelCredentials | Non
     return grpc.ssl_channel_credentials(
         root_certificates=config.blockd_tls_ca.read_bytes(),
         private_key=config.blockd_tls_key.read_bytes() if config.blockd_tls_key else None,
-        certificate_chain=config.blockd_tls_cert.read_bytes() if config.blockd_tls_cert else None)
+        certificate_chain=config.blockd_tls_cert.read_bytes() if config.blockd_tls_cert else None,
+    )
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -133,8 +133,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
         admitted = await asyncio.to_thread(self.policy.admit, _generate_input(request))
         sequence_id, queue = self.engine.add_request(
-            admitted.prompt_token_ids, admitted.params, IncrementalDecoder(self.tokenizer),
-            admitted.cache_salt, admitted.public_prefix_tokens)
+            admitted.prompt_token_ids,
+            admitted.params,
+            IncrementalDecoder(self.tokenizer),
+            admitted.cache_salt,
+            admitted.public_prefix_tokens,
+        )
         request_id = admitted.request_id or f"req-{sequence_id}"
         finished = False
         try:
@@ -155,7 +159,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         token_ids, rendered = self.policy.tokenize(
-            request.text, _chat(request.messages), request.add_special_tokens)
+            request.text, _chat(request.messages), request.add_special_tokens
+        )
         return pb.TokenizeResponse(token_ids=token_ids, rendered_text=rendered)
 
     @unary
@@ -171,11 +176,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.GetModelInfoResponse:
         info = self.info
         return pb.GetModelInfoResponse(
-            model_id=info.model_id, model_revision=info.model_revision, architecture=info.architecture,
-            dtype=info.dtype, device=info.device, block_size=info.block_size, num_blocks=info.num_blocks,
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-            eos_token_ids=list(info.eos_token_ids), has_chat_template=self.tokenizer.has_chat_template,
-            pool_id=self.engine.pool_id or "", blockd_address=info.blockd_address)
+            model_id=info.model_id,
+            model_revision=info.model_revision,
+            architecture=info.architecture,
+            dtype=info.dtype,
+            device=info.device,
+            block_size=info.block_size,
+            num_blocks=info.num_blocks,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=list(info.eos_token_ids),
+            has_chat_template=self.tokenizer.has_chat_template,
+            pool_id=self.engine.pool_id or "",
+            blockd_address=info.blockd_address,
+        )
 
 
 def _chat(messages: Any) -> list[tuple[str, str]]:
@@ -189,27 +203,45 @@ def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
         return getattr(request, name) if request.HasField(name) else None
 
     return GenerateInput(
-        prompt=request.prompt, prompt_token_ids=list(request.prompt_token_ids),
-        messages=_chat(request.messages), max_tokens=optional("max_tokens"),
-        temperature=optional("temperature"), top_p=optional("top_p"), top_k=optional("top_k"),
-        seed=optional("seed"), stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
-        ignore_eos=request.ignore_eos, cache_salt=request.cache_salt,
-        public_prefix_tokens=request.public_prefix_tokens, request_id=request.request_id)
+        prompt=request.prompt,
+        prompt_token_ids=list(request.prompt_token_ids),
+        messages=_chat(request.messages),
+        max_tokens=optional("max_tokens"),
+        temperature=optional("temperature"),
+        top_p=optional("top_p"),
+        top_k=optional("top_k"),
+        seed=optional("seed"),
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        cache_salt=request.cache_salt,
+        public_prefix_tokens=request.public_prefix_tokens,
+        request_id=request.request_id,
+    )
 
 
 def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResponse:
     last = chunks[-1]
-    response = pb.GenerateResponse(request_id=request_id,
-                                   token_ids=[t for c in chunks for t in c.token_ids],
-                                   text="".join(c.text for c in chunks),
-                                   finish_reason=last.finish_reason or "")
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=[t for c in chunks for t in c.token_ids],
+        text="".join(c.text for c in chunks),
+        finish_reason=last.finish_reason or "",
+    )
     if last.usage is not None:
         u = last.usage
-        response.usage.CopyFrom(pb.Usage(
-            prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-            completion_tokens=u.completion_tokens, time_to_first_token_seconds=u.time_to_first_token_seconds,
-            total_time_seconds=u.total_time_seconds, num_preemptions=u.num_preemptions))
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens,
+                completion_tokens=u.completion_tokens,
+                time_to_first_token_seconds=u.time_to_first_token_seconds,
+                total_time_seconds=u.total_time_seconds,
+                num_preemptions=u.num_preemptions,
+            )
+        )
     return response
+
 
 def add_service(servicer: Any, server: grpc.aio.Server, service_name: str) -> None:
     """Register like the generated helper does, but hand undecodable requests to the

@@ -15,12 +15,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_generated_code_matches_proto(tmp_path):
     protos = sorted(str(p.relative_to(REPO)) for p in (REPO / "proto/kvcache/v1").glob("*.proto"))
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={tmp_path}",
-                    f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", *protos],
-                   cwd=REPO, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-Iproto",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            *protos,
+        ],
+        cwd=REPO,
+        check=True,
+    )
     fresh = sorted(p.name for p in (tmp_path / "kvcache/v1").iterdir())
-    committed = sorted(p.name for p in (REPO / "kvcache/v1").iterdir() if p.name != "__init__.py"
-                       and p.suffix in (".py", ".pyi"))
+    committed = sorted(
+        p.name
+        for p in (REPO / "kvcache/v1").iterdir()
+        if p.name != "__init__.py" and p.suffix in (".py", ".pyi")
+    )
     assert fresh == committed, "run `make proto`: generated files differ from proto/"
     _, mismatch, errors = filecmp.cmpfiles(tmp_path / "kvcache/v1", REPO / "kvcache/v1", fresh, shallow=False)
     assert not mismatch and not errors, f"stale generated code {mismatch or errors}: run `make proto`"
@@ -43,21 +57,32 @@ def _top(names: set[str]) -> set[str]:
     return {n.split(".")[0] for n in names}
 
 
-@pytest.mark.parametrize("package, forbidden", [
-    ("blockd", {"computed", "clients", "torch"}),
-    ("computed", {"blockd", "clients"}),
-    ("clients", {"blockd", "computed"}),
-])
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        ("blockd", {"computed", "clients", "torch"}),
+        ("computed", {"blockd", "clients"}),
+        ("clients", {"blockd", "computed"}),
+    ],
+)
 def test_daemons_share_only_the_generated_contract(package, forbidden):
     for path, names in _imports(package).items():
         assert not (_top(names) & forbidden), f"{path} imports {_top(names) & forbidden}"
 
 
-@pytest.mark.parametrize("module", [
-    "blockd/directory.py", "blockd/pool.py", "blockd/hashing.py", "blockd/eviction.py",
-    "computed/scheduler.py", "computed/sequence.py", "computed/directory_ops.py",
-    "computed/request_policy.py",
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "blockd/directory.py",
+        "blockd/pool.py",
+        "blockd/hashing.py",
+        "blockd/eviction.py",
+        "computed/scheduler.py",
+        "computed/sequence.py",
+        "computed/directory_ops.py",
+        "computed/request_policy.py",
+    ],
+)
 def test_pure_cores_import_no_grpc(module):
     names = _imports(str(Path(module).parent))[module]
     assert not (_top(names) & {"grpc", "kvcache", "torch", "socket", "asyncio"}), f"{module}: {names}"
@@ -74,8 +99,11 @@ def test_engine_knows_blockd_only_through_the_directory_protocol(module):
 # copies must stay equal, or a fix in one daemon silently misses the other.
 MIRRORED_FILES = [("blockd/logs.py", "computed/logs.py")]
 MIRRORED_DEFINITIONS = [
-    ("blockd/service.py", "computed/service.py",
-     ["Malformed", "_status_of", "_details", "_abort", "unary", "streaming", "add_service", "_lenient"]),
+    (
+        "blockd/service.py",
+        "computed/service.py",
+        ["Malformed", "_status_of", "_details", "_abort", "unary", "streaming", "add_service", "_lenient"],
+    ),
     ("blockd/server.py", "computed/server.py", ["_write_atomically"]),
 ]
 
@@ -88,14 +116,15 @@ def _definitions(path: str) -> dict[str, str]:
     for node in ast.parse(text).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            found[node.name] = "".join(lines[first - 1:node.end_lineno])
+            found[node.name] = "".join(lines[first - 1 : node.end_lineno])
     return found
 
 
 @pytest.mark.parametrize("original, copy", MIRRORED_FILES)
 def test_mirrored_files_are_identical(original, copy):
     assert (REPO / original).read_bytes() == (REPO / copy).read_bytes(), (
-        f"{copy} drifted from {original}: make them byte-identical again")
+        f"{copy} drifted from {original}: make them byte-identical again"
+    )
 
 
 @pytest.mark.parametrize("original, copy, names", MIRRORED_DEFINITIONS)

@@ -29,13 +29,24 @@ ARCHS = ("llama", "qwen2", "qwen3")
 TOKENIZER_VOCAB_SIZE = 400  # bytes (256) + special tokens + merges; below every model's vocab
 
 # Llama-3.1-style scaling shrunk to the tiny context: some frequencies in each regime.
-LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 _BASE: dict[str, Any] = {
-    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2,  # grouped-query attention
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
 }
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rope_theta": 500000.0},
@@ -45,8 +56,13 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 _INIT_STD = 0.15  # well above HF's 0.02 so greedy argmaxes have margins, not near-ties
 _EMBED_STD = 0.3  # tied heads reuse the embedding: this keeps logits within about +-10
 
-_LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eot_id|>"]
+_LLAMA_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 _QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _LLAMA_TEMPLATE = (
     "{% if messages[0]['role'] not in ['system', 'user'] %}"
@@ -66,8 +82,10 @@ _QWEN_TEMPLATE = (
 )
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
-    ("Prefix caching stores the keys and values of a prompt in fixed-size blocks, "
-     "so that a later request with the same beginning skips the work."),
+    (
+        "Prefix caching stores the keys and values of a prompt in fixed-size blocks, "
+        "so that a later request with the same beginning skips the work."
+    ),
     "A block is committed once its tokens are written; then the directory can find it by its hash.",
     "Hello, world! How are you today? I am fine, thank you. 0123456789 + - * / = ( ) [ ] { }",
     "Café crème brûlée, naïve façade; Grüße aus München; ¿Qué tal? Ça va.",
@@ -153,13 +171,18 @@ def _train_tokenizer(specials: list[str], add_bos: bool):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(_CORPUS, trainer)
     if add_bos:  # Llama 3: the post-processor prepends BOS
         bos = specials[0]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
     else:  # Qwen: no BOS
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
@@ -172,6 +195,11 @@ def _write_tokenizer_config(path: Path, arch: str, max_length: int) -> None:
     else:
         special = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
         template = _QWEN_TEMPLATE
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False, "chat_template": template, **special}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+        **special,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))

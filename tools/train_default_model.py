@@ -53,10 +53,23 @@ CHAT_TEMPLATE = (
 
 # Directories and files of the stdlib that are not representative library code
 # (test suites, GUI, demos, vendored or generated tables).
-SKIPPED_PARTS = frozenset({
-    "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip",
-    "site-packages", "dist-packages", "__phello__", "__pycache__", "encodings", "pydoc_data",
-})
+SKIPPED_PARTS = frozenset(
+    {
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "tkinter",
+        "turtledemo",
+        "ensurepip",
+        "site-packages",
+        "dist-packages",
+        "__phello__",
+        "__pycache__",
+        "encodings",
+        "pydoc_data",
+    }
+)
 # Pre-tokenizer chunks: a word or a punctuation run with at most one trailing space, or a
 # run of whitespace.
 WORD_SPLIT = Regex(r"\w+ ?|[^\w\s]+ ?|\s+")
@@ -95,6 +108,7 @@ class TrainConfig:
 
 # ---------------------------------------------------------------- corpus
 
+
 def stdlib_files(stdlib: Path, cfg: TrainConfig) -> tuple[list[Path], list[Path]]:
     """(train, held_out) stdlib sources, sorted, so every run sees the same corpus."""
     train, held_out = [], []
@@ -131,17 +145,20 @@ def chat_examples(texts: list[str], rng: random.Random) -> Iterator[list[dict[st
                 continue
             doc = ast.get_docstring(node)
             # Whole lines, so a method keeps its indentation (ast.get_source_segment is O(file)).
-            source = "".join(lines[node.lineno - 1:node.end_lineno]).rstrip()
+            source = "".join(lines[node.lineno - 1 : node.end_lineno]).rstrip()
             if not doc or len(source) > 1200:
                 continue
-            chat = [{"role": "user", "content": f"Write a Python function: {doc.strip().splitlines()[0]}"},
-                    {"role": "assistant", "content": source}]
+            chat = [
+                {"role": "user", "content": f"Write a Python function: {doc.strip().splitlines()[0]}"},
+                {"role": "assistant", "content": source},
+            ]
             if rng.random() < 0.5:
                 chat.insert(0, {"role": "system", "content": "You write Python code."})
             yield chat
 
 
 # ---------------------------------------------------------------- tokenizer
+
 
 def train_tokenizer(texts: list[str], cfg: TrainConfig) -> Tokenizer:
     """Byte-level BPE with the special tokens at ids 0..6.
@@ -152,10 +169,12 @@ def train_tokenizer(texts: list[str], cfg: TrainConfig) -> Tokenizer:
     split exactly as in training instead of ending in a lone space token the model never saw.
     """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(WORD_SPLIT, behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(WORD_SPLIT, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -186,8 +205,14 @@ def tokenizer_config(cfg: TrainConfig) -> dict:
         "model_max_length": cfg.max_position_embeddings,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, t in enumerate(SPECIAL_TOKENS)
         },
     }
@@ -204,6 +229,7 @@ def render_chat(messages: list[dict[str, str]]) -> str:
 
 # ---------------------------------------------------------------- data
 
+
 def token_stream(tok: Tokenizer, docs: list[str]) -> torch.Tensor:
     """All documents encoded and concatenated, each followed by <|eos|>."""
     eos = tok.token_to_id(EOS)
@@ -214,8 +240,9 @@ def token_stream(tok: Tokenizer, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def build_stream(tok: Tokenizer, code: list[str], chats: Iterator[list[dict[str, str]]],
-                 cfg: TrainConfig) -> tuple[torch.Tensor, int]:
+def build_stream(
+    tok: Tokenizer, code: list[str], chats: Iterator[list[dict[str, str]]], cfg: TrainConfig
+) -> tuple[torch.Tensor, int]:
     """The training stream (code, then chats) and how many of its tokens are code."""
     code_ids = token_stream(tok, code)
     budget = int(len(code_ids) * cfg.chat_fraction / (1 - cfg.chat_fraction))
@@ -234,16 +261,17 @@ def build_stream(tok: Tokenizer, code: list[str], chats: Iterator[list[dict[str,
 def sample_batch(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
     """(B, T+1) random windows of the stream."""
     starts = torch.randint(0, len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
-    return torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()])
+    return torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()])
 
 
 def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """(N, T+1) consecutive non-overlapping windows covering the stream (the tail is dropped)."""
     n = (len(ids) - 1) // seq_len
-    return torch.stack([ids[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)])
+    return torch.stack([ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
 
 
 # ---------------------------------------------------------------- model
+
 
 def build_model(cfg: TrainConfig):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -282,7 +310,7 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
 def eval_loss(model, ids: torch.Tensor, seq_len: int) -> float:
     model.eval()
     w = windows(ids, seq_len)
-    losses = [lm_loss(model, w[i:i + 16]).item() * len(w[i:i + 16]) for i in range(0, len(w), 16)]
+    losses = [lm_loss(model, w[i : i + 16]).item() * len(w[i : i + 16]) for i in range(0, len(w), 16)]
     model.train()
     return sum(losses) / len(w)
 
@@ -329,13 +357,25 @@ def train(model, stream: torch.Tensor, cfg: TrainConfig, seconds: float, steps: 
         elapsed = time.monotonic() - start
         progress = step / steps if steps is not None else elapsed / seconds
         if step % 25 == 0 or progress >= 1.0:
-            log.info("step %d (%.0f%%) loss %.3f ema %.3f lr %.2e %.2fs/step", step, 100 * progress,
-                     loss.item(), loss_ema, opt.param_groups[0]["lr"], elapsed / step)
-    return {"steps": step, "train_loss_ema": loss_ema, "train_seconds": time.monotonic() - start,
-            "tokens_seen": step * cfg.batch_size * cfg.seq_len}
+            log.info(
+                "step %d (%.0f%%) loss %.3f ema %.3f lr %.2e %.2fs/step",
+                step,
+                100 * progress,
+                loss.item(),
+                loss_ema,
+                opt.param_groups[0]["lr"],
+                elapsed / step,
+            )
+    return {
+        "steps": step,
+        "train_loss_ema": loss_ema,
+        "train_seconds": time.monotonic() - start,
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+    }
 
 
 # ---------------------------------------------------------------- artifacts
+
 
 def save(model, tok: Tokenizer, out: Path, cfg: TrainConfig) -> None:
     from transformers import GenerationConfig
@@ -365,15 +405,23 @@ def save(model, tok: Tokenizer, out: Path, cfg: TrainConfig) -> None:
 def sample(model, tok: Tokenizer, prompt: str, max_new_tokens: int = 60) -> str:
     model.eval()
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=[SPECIAL_TOKENS.index(EOS), SPECIAL_TOKENS.index(END)],
-                         pad_token_id=SPECIAL_TOKENS.index(PAD))
+    out = model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=[SPECIAL_TOKENS.index(EOS), SPECIAL_TOKENS.index(END)],
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+    )
     return tok.decode(out[0].tolist(), skip_special_tokens=False)
 
 
 def write_readme(out: Path, cfg: TrainConfig, stats: dict) -> None:
-    text = README_TEMPLATE.format(cfg=cfg, held_out=", ".join(f"`{f}`" for f in HELD_OUT_FILES),
-                                  skipped=", ".join(f"`{d}`" for d in sorted(SKIPPED_PARTS)), **stats)
+    text = README_TEMPLATE.format(
+        cfg=cfg,
+        held_out=", ".join(f"`{f}`" for f in HELD_OUT_FILES),
+        skipped=", ".join(f"`{d}`" for d in sorted(SKIPPED_PARTS)),
+        **stats,
+    )
     (out / "README.md").write_text(text)
 
 
@@ -498,13 +546,18 @@ def main() -> None:
     log.info("sample:\n%s", sample_text)
     save(model, tok, args.out, cfg)
     stats.update(
-        num_params=num_params, head_dim=cfg.hidden_size // cfg.num_heads,
-        python_version=sys.version.split()[0], num_files=len(code),
-        code_tokens=num_code_tokens, chat_fraction_pct=int(cfg.chat_fraction * 100),
-        uniform=math.log(cfg.vocab_size), held_out_loss=held_out_loss, sample_text=sample_text,
+        num_params=num_params,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        python_version=sys.version.split()[0],
+        num_files=len(code),
+        code_tokens=num_code_tokens,
+        chat_fraction_pct=int(cfg.chat_fraction * 100),
+        uniform=math.log(cfg.vocab_size),
+        held_out_loss=held_out_loss,
+        sample_text=sample_text,
         sec_per_step=stats["train_seconds"] / stats["steps"],
-        total_seconds=time.monotonic() - begin, cli=f"--minutes {args.minutes:g}" + (
-            f" --steps {args.steps}" if args.steps is not None else ""),
+        total_seconds=time.monotonic() - begin,
+        cli=f"--minutes {args.minutes:g}" + (f" --steps {args.steps}" if args.steps is not None else ""),
     )
     write_readme(args.out, cfg, stats)
     log.info("wrote %s in %.0fs", args.out, time.monotonic() - begin)

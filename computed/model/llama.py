@@ -22,8 +22,12 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        self.scale = config.head_dim**-0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
@@ -33,8 +37,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
-                pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -54,8 +59,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
-                pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -83,8 +89,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                      config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -112,6 +119,11 @@ class CausalLM(nn.Module):
 
     def _check_pool(self, pool: KVPool) -> None:
         c = self.config
-        assert (pool.num_layers, pool.num_kv_heads, pool.head_dim) == (c.num_layers, c.num_kv_heads, c.head_dim), (
+        assert (pool.num_layers, pool.num_kv_heads, pool.head_dim) == (
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+        ), (
             f"pool shaped for {pool.num_layers} layers x {pool.num_kv_heads} heads x {pool.head_dim}, "
-            f"model needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}")
+            f"model needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}"
+        )

@@ -66,8 +66,15 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the embedding; point the head at the new one
     model.requires_grad_(False).eval()
-    return LoadedModel(model=model, config=config, model_id=model_id(path), revision=revision(path),
-                       path=path, dtype=dtype, device=device)
+    return LoadedModel(
+        model=model,
+        config=config,
+        model_id=model_id(path),
+        revision=revision(path),
+        path=path,
+        dtype=dtype,
+        device=device,
+    )
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -117,7 +124,9 @@ def revision(path: Path) -> str:
 
 def _checked(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
     if tensor.shape != param.shape:
-        raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)}, config wants {tuple(param.shape)}")
+        raise CheckpointError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)}, config wants {tuple(param.shape)}"
+        )
     if not tensor.is_floating_point():
         raise CheckpointError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
     return tensor

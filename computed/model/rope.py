@@ -18,16 +18,18 @@ class RotaryEmbedding:
     the activations' dtype), so cached and uncached K agree bit for bit.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int,
-                 scaling: Llama3RopeScaling | None = None) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, max_positions: int, scaling: Llama3RopeScaling | None = None
+    ) -> None:
         self.max_positions = max_positions
         # Explicit CPU: the model may be built under a `torch.device("meta")` context.
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
         self.inv_freq = _llama3_scale(inv_freq, scaling) if scaling is not None else inv_freq  # (D/2,)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, positions: torch.Tensor, max_position: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (T, D) for `positions` (T,), whose largest value is `max_position`.
 
         `max_position` is passed in (the batch builder knows it) to avoid a device sync.
@@ -64,7 +66,8 @@ def _llama3_scale(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)

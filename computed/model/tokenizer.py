@@ -18,7 +18,15 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -42,7 +50,8 @@ class Tokenizer:
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.special_tokens: dict[str, str] = {
-            key: _token_text(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None}
+            key: _token_text(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None
+        }
         self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
         self.chat_template = _read_chat_template(path, config)
         self.eos_token_ids = self._eos_ids(path)
@@ -62,8 +71,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render `messages` ({"role", "content", ...} dicts) to the prompt text.
 
         The text already holds any BOS the template writes: encode it with
@@ -74,17 +84,25 @@ class Tokenizer:
         if not messages:
             raise ChatTemplateError("a chat needs at least one message")
         # As transformers: keys whose value is None are dropped, special tokens are variables.
-        messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        messages = [
+            {key: value for key, value in message.items() if value is not None} for message in messages
+        ]
         try:
             return _compile(self.chat_template).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs})
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **kwargs},
+            )
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template: {error}") from error
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat, as transformers' `apply_chat_template(tokenize=True)`."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
@@ -129,9 +147,9 @@ class IncrementalDecoder:
         return self._advance(self._delta())
 
     def _delta(self) -> str:
-        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        window = self._decode(self._ids[self._prefix_offset:])
-        return window[len(emitted):] if len(window) > len(emitted) else ""
+        emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset :])
+        return window[len(emitted) :] if len(window) > len(emitted) else ""
 
     def _advance(self, delta: str) -> str:
         if delta:
@@ -177,7 +195,14 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own tojson escapes HTML characters; templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )

@@ -46,14 +46,23 @@ def test_belady_only_hits_whole_prefixes():
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("pool", [48, 96])
 def test_no_policy_beats_the_offline_optimum(seed, pool):
-    spec = TraceSpec(num_requests=300, num_families=20, num_apps=4, app_tokens=(8, 64),
-                     family_tokens=(16, 256), suffix_tokens=(4, 32), seed=seed)
+    spec = TraceSpec(
+        num_requests=300,
+        num_families=20,
+        num_apps=4,
+        app_tokens=(8, 64),
+        family_tokens=(16, 256),
+        suffix_tokens=(4, 32),
+        seed=seed,
+    )
     trace = make_trace(spec).prompts
     opt = replay_belady(trace, pool, 16).hit_tokens
     assert opt > 0
-    for hits in (replay_directory(trace, pool, 16, "lru").hit_tokens,
-                 replay_directory(trace, pool, 16, "lfu").hit_tokens,
-                 replay_vllm(trace, pool, 16).hit_tokens):
+    for hits in (
+        replay_directory(trace, pool, 16, "lru").hit_tokens,
+        replay_directory(trace, pool, 16, "lfu").hit_tokens,
+        replay_vllm(trace, pool, 16).hit_tokens,
+    ):
         assert hits <= opt
 
 

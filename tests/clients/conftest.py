@@ -37,9 +37,11 @@ def dead_address() -> str:
 def unique_prompt(topic: str = "caching") -> str:
     """A prompt several KV blocks long whose first block no other test shares."""
     run = uuid.uuid4().hex[:12]
-    return (f"# run {run}\n# A note about {topic}: the key and value tensors of a prefix depend only on "
-            f"that prefix, so they are computed once, kept in fixed-size blocks, and found again by "
-            f"content when the next request starts the same way.\ndef lookup(table, key):\n    return ")
+    return (
+        f"# run {run}\n# A note about {topic}: the key and value tensors of a prefix depend only on "
+        f"that prefix, so they are computed once, kept in fixed-size blocks, and found again by "
+        f"content when the next request starts the same way.\ndef lookup(table, key):\n    return "
+    )
 
 
 def model_args(workdir: Path) -> Path | None:
@@ -62,8 +64,9 @@ class LiveStack:
 
     def kvctl_env(self, token: str | None = ADMIN_TOKEN) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-        env.update(KVCACHE_BLOCKD=self.blockd.address, KVCACHE_COMPUTED=self.computed.address,
-                   PYTHONUNBUFFERED="1")
+        env.update(
+            KVCACHE_BLOCKD=self.blockd.address, KVCACHE_COMPUTED=self.computed.address, PYTHONUNBUFFERED="1"
+        )
         if token is not None:
             env["KVCACHE_ADMIN_TOKEN"] = token
         return env
@@ -86,5 +89,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> LiveStack:
 
 def run_kvctl(*args: str, env: dict[str, str], timeout: float = 120.0) -> subprocess.CompletedProcess:
     """`python -m clients.kvctl ARGS` as a user would run it (exit code, stdout, stderr)."""
-    return subprocess.run([sys.executable, "-m", "clients.kvctl", *args], check=False, cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "clients.kvctl", *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

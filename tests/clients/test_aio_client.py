@@ -39,8 +39,9 @@ async def test_concurrent_requests_all_finish(live: LiveStack) -> None:
     async with AsyncKVCacheClient(live.blockd.address, live.computed.address, options=OPTIONS) as client:
         system = unique_prompt("concurrency")
         questions = ["one?", "two?", "three?", "four?"]
-        results = await asyncio.gather(*(
-            client.complete(messages=[("system", system), ("user", q)], max_tokens=3) for q in questions))
+        results = await asyncio.gather(
+            *(client.complete(messages=[("system", system), ("user", q)], max_tokens=3) for q in questions)
+        )
         assert all(r.usage.completion_tokens >= 1 for r in results)
         assert len({r.request_id for r in results}) == len(questions)
 

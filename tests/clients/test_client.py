@@ -111,11 +111,13 @@ def test_blocks_pages_and_prefix_tree_hold_the_prompt(client: KVCacheClient) -> 
     assert blocks == sorted(blocks, key=lambda b: (b.pool_id, b.block_id))
     forest = build_prefix_forest(blocks)
     first_block = tuple(token_ids[:block_size])
-    root = next(r for roots in forest.values() for r in roots if tuple(r.token_ids[:block_size]) == first_block)
+    root = next(
+        r for roots in forest.values() for r in roots if tuple(r.token_ids[:block_size]) == first_block
+    )
     full = (len(token_ids) // block_size) * block_size
     node, path = root, list(root.token_ids)
     while len(path) < full:  # follow the branch that continues the prompt
-        want = token_ids[len(path): len(path) + block_size]
+        want = token_ids[len(path) : len(path) + block_size]
         node = next(c for c in node.children if c.token_ids[:block_size] == want)
         path += node.token_ids
     assert path[:full] == token_ids[:full]
@@ -171,7 +173,9 @@ def test_bad_request_is_refused_at_once_not_retried(live: LiveStack) -> None:
             computed.complete("hello", max_tokens=0)
         assert error.value.code is grpc.StatusCode.INVALID_ARGUMENT
         assert time.monotonic() - started < 5
-        assert "\n" not in str(error.value) and str(error.value).startswith(f"computed at {live.computed.address}")
+        assert "\n" not in str(error.value) and str(error.value).startswith(
+            f"computed at {live.computed.address}"
+        )
 
 
 def test_deadline_exceeded_is_reported(live: LiveStack) -> None:
@@ -195,8 +199,9 @@ def test_unreachable_daemon_fails_after_bounded_retries() -> None:
 def test_retries_reach_a_daemon_that_comes_up_late(tmp_path) -> None:
     port = free_port()
     started: list = []
-    starter = threading.Timer(0.5, lambda: started.append(spawn("late-blockd", "blockd", tmp_path, [],
-                                                                listen=f"127.0.0.1:{port}")))
+    starter = threading.Timer(
+        0.5, lambda: started.append(spawn("late-blockd", "blockd", tmp_path, [], listen=f"127.0.0.1:{port}"))
+    )
     policy = RetryPolicy(max_attempts=50, initial_backoff=0.1, max_backoff=0.4)
     starter.start()
     try:

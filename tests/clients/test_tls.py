@@ -29,15 +29,57 @@ def openssl(*args: str, cwd: Path) -> None:
 
 def make_certs(folder: Path) -> dict[str, Path]:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvcache test CA",
-            "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kvcache test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=folder,
+    )
     (folder / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                "-out", f"{name}.csr", cwd=folder)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-days", "1", "-out", f"{name}.pem", *ext, cwd=folder)
-    return {name: folder / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=folder,
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            f"{name}.pem",
+            *ext,
+            cwd=folder,
+        )
+    return {
+        name: folder / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +88,30 @@ def tls_blockd(tmp_path_factory: pytest.TempPathFactory):
     certs = make_certs(folder)
     ready = folder / "blockd.ready"
     log = open(folder / "blockd.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "blockd", "--listen", "127.0.0.1:0", "--ready-file", str(ready),
-                             "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
-                             "--tls-client-ca", str(certs["ca.pem"])],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    tls = TlsOptions(root_cert=certs["ca.pem"], client_cert=certs["client.pem"], client_key=certs["client.key"])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "blockd",
+            "--listen",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+            "--tls-cert",
+            str(certs["server.pem"]),
+            "--tls-key",
+            str(certs["server.key"]),
+            "--tls-client-ca",
+            str(certs["ca.pem"]),
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    tls = TlsOptions(
+        root_cert=certs["ca.pem"], client_cert=certs["client.pem"], client_key=certs["client.key"]
+    )
     try:
         deadline = time.monotonic() + 60
         while not (ready.exists() and ready.read_text().strip()):
@@ -70,7 +131,9 @@ def tls_blockd(tmp_path_factory: pytest.TempPathFactory):
 
 def test_mutual_tls_with_client_certificate(tls_blockd) -> None:
     address, certs = tls_blockd
-    tls = TlsOptions(root_cert=certs["ca.pem"], client_cert=certs["client.pem"], client_key=certs["client.key"])
+    tls = TlsOptions(
+        root_cert=certs["ca.pem"], client_cert=certs["client.pem"], client_key=certs["client.key"]
+    )
     with BlockdClient(address, ClientOptions(tls=tls)) as blockd:
         assert blockd.get_stats().total.num_blocks == 0
 
@@ -88,8 +151,19 @@ def test_refused_without_tls_or_client_certificate(tls_blockd, mode: str) -> Non
 def test_kvctl_tls_flags(tls_blockd) -> None:
     address, certs = tls_blockd
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
-    result = run_kvctl("--blockd", address, "--tls-ca", str(certs["ca.pem"]), "--tls-cert",
-                       str(certs["client.pem"]), "--tls-key", str(certs["client.key"]), "flush", "--json", env=env)
+    result = run_kvctl(
+        "--blockd",
+        address,
+        "--tls-ca",
+        str(certs["ca.pem"]),
+        "--tls-cert",
+        str(certs["client.pem"]),
+        "--tls-key",
+        str(certs["client.key"]),
+        "flush",
+        "--json",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"dropped": 0, "busy": 0}
     half = run_kvctl("--blockd", address, "--tls-cert", str(certs["client.pem"]), "stats", env=env)

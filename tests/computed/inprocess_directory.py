@@ -27,8 +27,13 @@ class Lease:
 class InProcessDirectory:
     """One worker's pool in a `BlockDirectory` (the whole blockd core, no gRPC)."""
 
-    def __init__(self, directory: BlockDirectory, num_blocks: int, block_size: int,
-                 namespace: bt.Namespace | None = None) -> None:
+    def __init__(
+        self,
+        directory: BlockDirectory,
+        num_blocks: int,
+        block_size: int,
+        namespace: bt.Namespace | None = None,
+    ) -> None:
         self.directory = directory
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -48,29 +53,48 @@ class InProcessDirectory:
             raise DirectoryUnavailable("UNAVAILABLE: injected by the test")
         try:
             result = self.directory.step(
-                bt.PoolId(lease.pool_id), lease.epoch,
+                bt.PoolId(lease.pool_id),
+                lease.epoch,
                 commits=[bt.CommitOp(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits],
                 releases=[bt.ReleaseOp(s) for s in ops.releases],
                 grows=[bt.GrowOp(g.sequence_id, g.num_tokens) for g in ops.grows],
-                admits=[bt.AdmitOp(a.sequence_id, a.token_ids, a.cache_salt, a.public_prefix_tokens)
-                        for a in ops.admits])
+                admits=[
+                    bt.AdmitOp(a.sequence_id, a.token_ids, a.cache_salt, a.public_prefix_tokens)
+                    for a in ops.admits
+                ],
+            )
         except (bt.NotFound, bt.StaleEpoch) as exc:
             raise DirectoryUnavailable(f"{type(exc).__name__}: {exc}") from exc
         self.num_steps += 1
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in result.grows],
-            admits=[AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
-                    for a in result.admits],
-            num_free_blocks=result.num_free_blocks, num_evictable_blocks=result.num_evictable_blocks)
+            admits=[
+                AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                for a in result.admits
+            ],
+            num_free_blocks=result.num_free_blocks,
+            num_evictable_blocks=result.num_evictable_blocks,
+        )
 
     async def recover(self, sequences: list[ResyncSequence], stopping: asyncio.Event | None = None) -> None:
         reg = self.directory.register_pool(
-            self.num_blocks, self.block_size, self.namespace, "in-process",
-            bt.PoolId(self.lease.pool_id) if self.lease else None)
+            self.num_blocks,
+            self.block_size,
+            self.namespace,
+            "in-process",
+            bt.PoolId(self.lease.pool_id) if self.lease else None,
+        )
         self.lease = Lease(reg.pool_id, reg.epoch)
-        self.directory.resync(reg.pool_id, reg.epoch, [
-            bt.ResyncSequence(s.sequence_id, s.block_ids, s.token_ids, s.cache_salt, s.public_prefix_tokens)
-            for s in sequences])
+        self.directory.resync(
+            reg.pool_id,
+            reg.epoch,
+            [
+                bt.ResyncSequence(
+                    s.sequence_id, s.block_ids, s.token_ids, s.cache_salt, s.public_prefix_tokens
+                )
+                for s in sequences
+            ],
+        )
         self.needs_recovery = False
         self.num_recoveries += 1
 

@@ -61,10 +61,10 @@ def _fill(pool: KVPool, tables, cached, kv_heads: int, dim: int, gen: torch.Gene
 def _dense(q, keys, values, heads: int, kv_heads: int, dim: int, cached, lengths):
     out, start = [], 0
     for k, v, c, n in zip(keys, values, cached, lengths):
-        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
+        qs = q[start : start + n - c].transpose(0, 1)  # (H, Lq, D)
         kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
         vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
+        scores = qs @ kk.transpose(1, 2) * dim**-0.5
         visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
         out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1))
         start += n - c
@@ -78,7 +78,9 @@ def test_random_steps_match_dense_attention(seed: int, fused: bool, monkeypatch)
         monkeypatch.setattr(attention, "_FLASH_CPU", None)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, block = rng.choice([(4, 2, 8), (6, 3, 16), (4, 4, 8), (8, 1, 8)]) + (rng.choice([4, 16]),)
+    heads, kv_heads, dim, block = rng.choice([(4, 2, 8), (6, 3, 16), (4, 4, 8), (8, 1, 8)]) + (
+        rng.choice([4, 16]),
+    )
     spans, tables, cached, lengths = _random_step(rng, block, rng.randint(1, 12))
     pool = KVPool(1, 400, block, kv_heads, dim, torch.float32, CPU)
     keys, values = _fill(pool, tables, cached, kv_heads, dim, gen)
@@ -88,12 +90,13 @@ def test_random_steps_match_dense_attention(seed: int, fused: bool, monkeypatch)
     q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
     start = 0
     for i, (c, n) in enumerate(zip(cached, lengths)):  # the dense context includes the new tokens
-        keys[i] = torch.cat([keys[i], k_new[start:start + n - c]])
-        values[i] = torch.cat([values[i], v_new[start:start + n - c]])
+        keys[i] = torch.cat([keys[i], k_new[start : start + n - c]])
+        values[i] = torch.cat([values[i], v_new[start : start + n - c]])
         start += n - c
-    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
-    torch.testing.assert_close(out, _dense(q, keys, values, heads, kv_heads, dim, cached, lengths),
-                               atol=2e-5, rtol=1e-4)
+    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim**-0.5)
+    torch.testing.assert_close(
+        out, _dense(q, keys, values, heads, kv_heads, dim, cached, lengths), atol=2e-5, rtol=1e-4
+    )
 
 
 def test_nested_prefixes_become_nested_segments() -> None:
@@ -101,7 +104,9 @@ def test_nested_prefixes_become_nested_segments() -> None:
     tables = np.array([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 0], [7, 8, 9, 0]])
     segments = find_segments(tables, np.array([4, 4, 3, 3]))
     assert [(s.span_indices, s.first_block, s.block_ids) for s in segments] == [
-        ((0, 1, 2), 0, (1, 2)), ((0, 1), 2, (3,))]
+        ((0, 1, 2), 0, (1, 2)),
+        ((0, 1), 2, (3,)),
+    ]
 
 
 def test_segments_stop_before_unshareable_blocks() -> None:
@@ -109,16 +114,21 @@ def test_segments_stop_before_unshareable_blocks() -> None:
     # The third row may share only its first block (its queries sit in the second).
     segments = find_segments(tables, np.array([3, 3, 1]))
     assert [(s.span_indices, s.first_block, s.num_blocks) for s in segments] == [
-        ((0, 1, 2), 0, 1), ((0, 1), 1, 2)]
+        ((0, 1, 2), 0, 1),
+        ((0, 1), 1, 2),
+    ]
     assert find_segments(tables, np.array([0, 0, 3])) == []
 
 
 def test_kernel_calls_do_not_grow_with_the_batch() -> None:
     """8 or 64 decode rows over one shared prefix: the same tiles, so the same calls."""
+
     def tiles(num_spans: int) -> list[tuple[bool, int, int]]:
         shared = list(range(64))
-        spans = [SpanInput(shared + [100 + 4 * i, 101 + 4 * i, 102 + 4 * i], 64 * 16 + 40, 1)
-                 for i in range(num_spans)]
+        spans = [
+            SpanInput(shared + [100 + 4 * i, 101 + 4 * i, 102 + 4 * i], 64 * 16 + 40, 1)
+            for i in range(num_spans)
+        ]
         batch = AttentionBatch.build(spans, 16, CPU)
         return [(t.causal, t.num_queries > 1, t.num_keys) for t in batch.tiles]
 
@@ -136,7 +146,7 @@ def test_a_full_hit_reads_its_last_position_from_the_pool() -> None:
     batch = AttentionBatch.build([SpanInput([5, 2], 7, 1, write_kv=False)], 4, CPU)
     q = torch.randn(1, 4, 8, generator=gen)
     garbage = torch.full((1, 2, 8), 1e3)
-    out = paged_attention(q, garbage, garbage, 0, batch, pool, scale=8 ** -0.5)
+    out = paged_attention(q, garbage, garbage, 0, batch, pool, scale=8**-0.5)
     assert torch.equal(pool.kv, before)
     k = torch.cat([pool.key(0)[5], pool.key(0)[2]])  # (8, 2, 8)
     v = torch.cat([pool.value(0)[5], pool.value(0)[2]])

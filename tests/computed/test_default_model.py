@@ -19,8 +19,14 @@ import computed
 from tools.train_default_model import HELD_OUT_FILES, SPECIAL_TOKENS, TrainConfig, stdlib_files
 
 MODEL_DIR = Path(computed.__file__).parent / "default_model"
-ARTIFACTS = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-             "tokenizer_config.json", "README.md")
+ARTIFACTS = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+)
 CODE_LINE = re.compile(r"^\s*(import|from|def|class|return|if|for|while|with|try|raise|@)\b|\w\(|\w = ")
 SNIPPET = '''import os
 
@@ -78,7 +84,9 @@ def test_special_tokens_are_single_ids(tokenizer):
     for i, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.convert_tokens_to_ids(token) == i
         assert tokenizer.encode(token, add_special_tokens=False) == [i]
-    assert tokenizer.encode("x = 1", add_special_tokens=True) == tokenizer.encode("x = 1", add_special_tokens=False)
+    assert tokenizer.encode("x = 1", add_special_tokens=True) == tokenizer.encode(
+        "x = 1", add_special_tokens=False
+    )
 
 
 def test_chat_template_renders_roles_and_generation_prompt(tokenizer):
@@ -93,7 +101,7 @@ def test_greedy_generation_from_import_looks_like_python(model, tokenizer):
     ids = tokenizer("import ", return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=48, do_sample=False)
-    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     words = re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)
     common = set(keyword.kwlist) | {"self", "os", "sys", "re", "name", "None", "True", "False"}
     assert len(words) >= 3, f"expected identifiers, got {text!r}"
@@ -108,7 +116,7 @@ def test_held_out_stdlib_file_loss_is_well_below_uniform(model, tokenizer):
     text = (stdlib / HELD_OUT_FILES[0]).read_text(encoding="utf-8")
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
     seq_len, num_windows = 256, 8
-    windows = torch.stack([ids[i * seq_len:(i + 1) * seq_len] for i in range(num_windows)])  # (N, T)
+    windows = torch.stack([ids[i * seq_len : (i + 1) * seq_len] for i in range(num_windows)])  # (N, T)
     with torch.no_grad():
         loss = model(input_ids=windows, labels=windows).loss.item()
     uniform = math.log(model.config.vocab_size)

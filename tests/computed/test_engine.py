@@ -41,18 +41,21 @@ class SilentDecoder:
 def build(tiny_models: TinyModels) -> tuple[Engine, InProcessDirectory]:
     loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
     c = loaded.config
-    pool = KVPool(c.num_layers, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim, torch.float32,
-                  torch.device("cpu"))
+    pool = KVPool(
+        c.num_layers, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu")
+    )
     runner = ModelRunner(loaded.model, pool, BLOCK, torch.device("cpu"))
-    scheduler = Scheduler(SchedulerConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=256),
-                          eos_token_ids=())
+    scheduler = Scheduler(
+        SchedulerConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=256), eos_token_ids=()
+    )
     directory = InProcessDirectory(BlockDirectory(), NUM_BLOCKS, BLOCK)
     return Engine(scheduler, runner, directory), directory
 
 
 async def generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[GenerationChunk]:
-    _, queue = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                  SilentDecoder())
+    _, queue = engine.add_request(
+        prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), SilentDecoder()
+    )
     chunks = [await asyncio.wait_for(queue.get(), timeout=30)]
     while chunks[-1].finish_reason is None:
         chunks.append(await asyncio.wait_for(queue.get(), timeout=30))
@@ -106,7 +109,8 @@ def test_cancelled_request_releases_its_blocks(tiny_models: TinyModels) -> None:
         await engine.start()
         try:
             sequence_id, queue = engine.add_request(
-                PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), SilentDecoder())
+                PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), SilentDecoder()
+            )
             first = await asyncio.wait_for(queue.get(), timeout=30)
             assert first.token_ids and num_referenced_blocks(directory) > 0
             engine.abort(sequence_id)

@@ -48,8 +48,9 @@ class Stack:
         self.admin = directory_pb2_grpc.DirectoryAdminServiceStub(grpc.insecure_channel(blockd.address))
 
     def generate(self, tokens: list[int], n: int = 8, **kw) -> tuple[list[int], generation_pb2.Usage]:
-        req = generation_pb2.GenerateRequest(prompt_token_ids=tokens, max_tokens=n, temperature=0.0,
-                                             ignore_eos=True, **kw)
+        req = generation_pb2.GenerateRequest(
+            prompt_token_ids=tokens, max_tokens=n, temperature=0.0, ignore_eos=True, **kw
+        )
         out: list[int] = []
         usage = None
         for msg in self.gen.Generate(req, timeout=120):
@@ -75,8 +76,9 @@ def _stack(tmp_path_factory, arch: str, *computed_args: str) -> Stack:
     root = tmp_path_factory.mktemp(f"stack-{arch}")
     model_dir = make_tiny_model(root / "model", arch)
     blockd = start_blockd(root)
-    computed = start_computed(root, blockd.address, "--block-size", str(BLOCK), *computed_args,
-                              model=model_dir)
+    computed = start_computed(
+        root, blockd.address, "--block-size", str(BLOCK), *computed_args, model=model_dir
+    )
     return Stack(blockd, computed, model_dir)
 
 
@@ -166,15 +168,18 @@ def test_no_block_referenced_after_requests(stack):
     assert stats.num_free_blocks + stats.num_evictable_blocks == stats.num_blocks
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({}, "empty prompt"),
-    ({"prompt_token_ids": [5, 6], "max_tokens": 0}, "max_tokens"),
-    ({"prompt_token_ids": [5, 6], "temperature": -0.5}, "temperature"),
-    ({"prompt_token_ids": [5] * 5000}, "context"),
-    ({"prompt_token_ids": [10**6]}, "out of range"),
-    ({"prompt": "x", "prompt_token_ids": [5]}, "exactly one"),
-    ({"prompt_token_ids": [5], "top_p": 0.0}, "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({}, "empty prompt"),
+        ({"prompt_token_ids": [5, 6], "max_tokens": 0}, "max_tokens"),
+        ({"prompt_token_ids": [5, 6], "temperature": -0.5}, "temperature"),
+        ({"prompt_token_ids": [5] * 5000}, "context"),
+        ({"prompt_token_ids": [10**6]}, "out of range"),
+        ({"prompt": "x", "prompt_token_ids": [5]}, "exactly one"),
+        ({"prompt_token_ids": [5], "top_p": 0.0}, "top_p"),
+    ],
+)
 def test_bad_requests_are_invalid_argument(stack, kwargs, fragment):
     with pytest.raises(grpc.RpcError) as err:
         list(stack.gen.Generate(generation_pb2.GenerateRequest(**kwargs), timeout=30))
@@ -250,7 +255,11 @@ def test_max_tokens_that_cannot_fit_beside_the_prompt_is_refused(short_context):
 
 
 def test_default_max_tokens_stops_at_the_context(short_context):
-    responses = list(short_context.gen.Generate(generation_pb2.GenerateRequest(
-        prompt_token_ids=prompt(62, 47), temperature=0.0, ignore_eos=True), timeout=60))
+    responses = list(
+        short_context.gen.Generate(
+            generation_pb2.GenerateRequest(prompt_token_ids=prompt(62, 47), temperature=0.0, ignore_eos=True),
+            timeout=60,
+        )
+    )
     tokens = [t for r in responses for t in r.token_ids]
     assert len(tokens) == 1 and responses[-1].finish_reason == "length"

@@ -76,7 +76,9 @@ class Paged:
     def __init__(self, loaded: LoadedModel, block_size: int = 4, num_blocks: int = 96, seed: int = 0) -> None:
         c = loaded.config
         self.model, self.block_size = loaded.model, block_size
-        self.pool = KVPool(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, torch.float32, CPU)
+        self.pool = KVPool(
+            c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, torch.float32, CPU
+        )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous, unordered block tables
 
@@ -131,9 +133,12 @@ def test_cached_prefix_gives_one_shot_logits(checkpoint: Path, chunks: list[int]
     torch.testing.assert_close(got, reference_logits(checkpoint, ids)[-1], atol=TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("variant, block_size", [*((v, 4) for v in sorted(VARIANTS)),
-                                                 ("qwen3", 16), ("llama-rope-llama3", 16)])
-def test_batched_greedy_decode_equals_generate(tiny_models: TinyModels, variant: str, block_size: int) -> None:
+@pytest.mark.parametrize(
+    "variant, block_size", [*((v, 4) for v in sorted(VARIANTS)), ("qwen3", 16), ("llama-rope-llama3", 16)]
+)
+def test_batched_greedy_decode_equals_generate(
+    tiny_models: TinyModels, variant: str, block_size: int
+) -> None:
     """Prefill three prompts in one forward, then decode them together, token for token."""
     from transformers import GenerationConfig
 
@@ -155,12 +160,19 @@ def test_batched_greedy_decode_equals_generate(tiny_models: TinyModels, variant:
             outputs[i].append(int(row.argmax()))
 
     hf = reference(checkpoint)
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=max_new,
-                              eos_token_id=list(loaded.config.eos_token_ids), pad_token_id=0)
+    greedy = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=list(loaded.config.eos_token_ids),
+        pad_token_id=0,
+    )
     for prompt, got in zip(prompts, outputs):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   generation_config=greedy)[0, len(prompt):].tolist()
+            expected = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                generation_config=greedy,
+            )[0, len(prompt) :].tolist()
         assert got == expected
 
 
@@ -172,7 +184,7 @@ def test_mixed_batch_equals_sequences_one_by_one(checkpoint: Path) -> None:
     # Sequence i has `cached[i]` tokens in the pool, then `new[i]` tokens this step.
     cached, new, write = [12, 0, 13, 13, 5], [1, 9, 10, 1, 1], [False, True, True, True, True]
     done = [c - (not w) for c, w in zip(cached, write)]  # the no-write one recomputes its last token
-    fed = [p[d:d + n] for p, d, n in zip(prompts, done, new)]
+    fed = [p[d : d + n] for p, d, n in zip(prompts, done, new)]
 
     def span(i: int, table: list[int]) -> SpanInput:
         return SpanInput(table, done[i], new[i], write[i])
@@ -182,7 +194,7 @@ def test_mixed_batch_equals_sequences_one_by_one(checkpoint: Path) -> None:
         runner = Paged(loaded, seed=3)
         table = runner.allocate(len(prompt))
         if cached[i]:
-            runner.prefill(table, prompt[:cached[i]], [])
+            runner.prefill(table, prompt[: cached[i]], [])
         alone.append(runner.step([span(i, table)], [fed[i]])[0])
 
     runner = Paged(loaded, seed=4)
@@ -236,13 +248,13 @@ def assert_matches_dense_attention(out, q, keys, values, cached, lengths, kv_hea
     heads, dim = q.shape[1], q.shape[2]
     start = 0
     for k, v, c, n in zip(keys, values, cached, lengths):
-        qs = q[start:start + n - c].transpose(0, 1)  # (H, Lq, D)
+        qs = q[start : start + n - c].transpose(0, 1)  # (H, Lq, D)
         kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
         vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = qs @ kk.transpose(1, 2) * dim ** -0.5
+        scores = qs @ kk.transpose(1, 2) * dim**-0.5
         visible = torch.arange(n)[None, :] <= torch.arange(c, n)[:, None]
         expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
-        torch.testing.assert_close(out[start:start + n - c], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[start : start + n - c], expected, atol=1e-5, rtol=0)
         start += n - c
 
 
@@ -259,37 +271,50 @@ def test_paged_attention_matches_dense_causal_attention() -> None:
         for pos in range(n):  # the cached prefix, written by hand
             pool.key(0)[table[pos // block], pos % block] = k[pos]
             pool.value(0)[table[pos // block], pos % block] = v[pos]
-    batch = AttentionBatch.build([SpanInput(t, c, n - c) for t, c, n in zip(tables, cached, lengths)], block, CPU)
+    batch = AttentionBatch.build(
+        [SpanInput(t, c, n - c) for t, c, n in zip(tables, cached, lengths)], block, CPU
+    )
     q = torch.randn(batch.num_tokens, heads, dim)
     k_new = torch.cat([k[c:] for k, c in zip(keys, cached)])
     v_new = torch.cat([v[c:] for v, c in zip(values, cached)])
-    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
+    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim**-0.5)
 
     assert_matches_dense_attention(out, q, keys, values, cached, lengths, kv_heads)
 
 
 def test_build_lays_out_slots_positions_and_last_tokens() -> None:
-    batch = AttentionBatch.build([
-        SpanInput([7, 3, 12], num_computed_tokens=8, num_new_tokens=2),
-        SpanInput([5, 9], num_computed_tokens=5, num_new_tokens=1),
-        SpanInput([4, 6], num_computed_tokens=5, num_new_tokens=2, write_kv=[False, True]),
-    ], block_size=4, device=CPU)
+    batch = AttentionBatch.build(
+        [
+            SpanInput([7, 3, 12], num_computed_tokens=8, num_new_tokens=2),
+            SpanInput([5, 9], num_computed_tokens=5, num_new_tokens=1),
+            SpanInput([4, 6], num_computed_tokens=5, num_new_tokens=2, write_kv=[False, True]),
+        ],
+        block_size=4,
+        device=CPU,
+    )
     assert batch.positions.tolist() == [8, 9, 5, 5, 6]
     assert batch.write_slots.tolist() == [12 * 4 + 0, 12 * 4 + 1, 9 * 4 + 1, 6 * 4 + 2]
     assert batch.write_token_index.tolist() == [0, 1, 2, 4]
     assert batch.last_token_index.tolist() == [1, 2, 4]
-    assert [(s.query_start, s.query_len, s.context_len) for s in batch.spans] == [(0, 2, 10), (2, 1, 6), (3, 2, 7)]
+    assert [(s.query_start, s.query_len, s.context_len) for s in batch.spans] == [
+        (0, 2, 10),
+        (2, 1, 6),
+        (3, 2, 7),
+    ]
     assert [s.block_table.tolist() for s in batch.spans] == [[7, 3, 12], [5, 9], [4, 6]]
     assert batch.max_position == 9
 
 
-@pytest.mark.parametrize("span, message", [
-    (SpanInput([1], 3, 2), "cannot hold 5 tokens"),
-    (SpanInput([1, 2], 0, 0), "at least one new token"),
-    (SpanInput([1, 2], -1, 2), "num_computed_tokens"),
-    (SpanInput([1, 2], 0, 3, write_kv=[True]), "1 flags for 3"),
-    (SpanInput([1, -2], 0, 6), "negative block id"),
-])
+@pytest.mark.parametrize(
+    "span, message",
+    [
+        (SpanInput([1], 3, 2), "cannot hold 5 tokens"),
+        (SpanInput([1, 2], 0, 0), "at least one new token"),
+        (SpanInput([1, 2], -1, 2), "num_computed_tokens"),
+        (SpanInput([1, 2], 0, 3, write_kv=[True]), "1 flags for 3"),
+        (SpanInput([1, -2], 0, 6), "negative block id"),
+    ],
+)
 def test_build_rejects_bad_spans(span: SpanInput, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AttentionBatch.build([span], 4, CPU)
@@ -403,7 +428,9 @@ def test_loader_rejects_tensors_that_do_not_fit(tiny_models: TinyModels, tmp_pat
     for file in source.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     tensors = load_file(source / "model.safetensors")
-    save_file({**tensors, "model.layers.0.self_attn.surprise": torch.zeros(2)}, tmp_path / "model.safetensors")
+    save_file(
+        {**tensors, "model.layers.0.self_attn.surprise": torch.zeros(2)}, tmp_path / "model.safetensors"
+    )
     with pytest.raises(CheckpointError, match="unexpected tensor"):
         load_model(tmp_path, CPU, torch.float32)
     save_file({n: t for n, t in tensors.items() if n != "lm_head.weight"}, tmp_path / "model.safetensors")
@@ -420,44 +447,71 @@ def test_classic_config_spelling_loads_the_same_model(tiny_models: TinyModels, t
     shutil.copytree(source, tmp_path, dirs_exist_ok=True)
     config = json.loads((source / "config.json").read_text())
     rope = config.pop("rope_parameters")
-    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, torch_dtype=config.pop("dtype"),
-                  _name_or_path="meta-llama/Tiny-3.1")
+    config.update(
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling=rope,
+        torch_dtype=config.pop("dtype"),
+        _name_or_path="meta-llama/Tiny-3.1",
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     classic = load_model(tmp_path, CPU, torch.float32)
     assert classic.config == ours(source).config and classic.model_id == "meta-llama/Tiny-3.1"
     ids = random_prompt(30, seed=9)
-    torch.testing.assert_close(Paged(classic).prefill(list(range(8)), ids, [11]),
-                               reference_logits(source, ids)[-1], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(
+        Paged(classic).prefill(list(range(8)), ids, [11]),
+        reference_logits(source, ids)[-1],
+        atol=TOLERANCE,
+        rtol=0,
+    )
 
 
 def _llama_config(**changes) -> dict:
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "rope_theta": 500000.0, "bos_token_id": 1, "eos_token_id": 2,
-              "torch_dtype": "bfloat16"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 500000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
     return {**config, **changes}
 
 
 def test_config_reads_classic_rope_scaling_and_merges_eos() -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = ModelConfig.from_dict(_llama_config(rope_scaling=scaling), {"eos_token_id": [9, 2, 8]})
     assert config.rope_theta == 500000.0 and config.rope_scaling.factor == 8.0
     assert config.eos_token_ids == (2, 9, 8) and config.bos_token_id == 1
-    assert config.head_dim == 16 and config.torch_dtype == "bfloat16" and config.max_position_embeddings == 2048
+    assert (
+        config.head_dim == 16 and config.torch_dtype == "bfloat16" and config.max_position_embeddings == 2048
+    )
     qwen2 = ModelConfig.from_dict(_llama_config(architectures=["Qwen2ForCausalLM"]))
     assert qwen2.attention_bias and not qwen2.has_qk_norm
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"architectures": ["MistralForCausalLM"]}, "not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
-    ({"num_key_value_heads": 3}, "multiple"),
-    ({"hidden_act": "gelu"}, "gelu"),
-    ({"use_sliding_window": True}, "sliding"),
-    ({"eos_token_id": 500}, "outside vocab"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
+        ({"num_key_value_heads": 3}, "multiple"),
+        ({"hidden_act": "gelu"}, "gelu"),
+        ({"use_sliding_window": True}, "sliding"),
+        ({"eos_token_id": 500}, "outside vocab"),
+    ],
+)
 def test_config_rejects_what_it_cannot_run(changes: dict, message: str) -> None:
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_dict(_llama_config(**changes))
@@ -475,8 +529,10 @@ def test_runtime_does_not_import_transformers() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, computed.model, computed.attention, computed.kv_pool; "
-            "sys.exit('transformers' in sys.modules)")
+    code = (
+        "import sys, computed.model, computed.attention, computed.kv_pool; "
+        "sys.exit('transformers' in sys.modules)"
+    )
     repo = Path(__file__).parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=repo, check=False).returncode == 0
 
@@ -501,12 +557,19 @@ def test_cascade_decode_over_shared_blocks_matches_dense_attention() -> None:
     assert [g.span_indices for g in batch.shared_prefixes] == [(0, 1, 2)]
     assert batch.shared_prefixes[0].num_blocks == 2
     q = torch.randn(4, heads, dim)
-    out = paged_attention(q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]), 0,
-                          batch, pool, scale=dim ** -0.5)
+    out = paged_attention(
+        q,
+        torch.stack([k[-1] for k in keys]),
+        torch.stack([v[-1] for v in values]),
+        0,
+        batch,
+        pool,
+        scale=dim**-0.5,
+    )
     for i, (k, v) in enumerate(zip(keys, values)):
         kk = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
         vv = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = q[i][:, None, :] @ kk.transpose(1, 2) * dim ** -0.5  # (H, 1, n)
+        scores = q[i][:, None, :] @ kk.transpose(1, 2) * dim**-0.5  # (H, 1, n)
         expected = (scores.softmax(-1) @ vv)[:, 0]  # (H, D)
         torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=0)
 
@@ -535,12 +598,14 @@ def test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention() ->
         for pos in range(c):
             pool.key(0)[table[pos // block], pos % block] = k[pos]
             pool.value(0)[table[pos // block], pos % block] = v[pos]
-    batch = AttentionBatch.build([SpanInput(t, c, n - c) for t, c, n in zip(tables, cached, lengths)], block, CPU)
+    batch = AttentionBatch.build(
+        [SpanInput(t, c, n - c) for t, c, n in zip(tables, cached, lengths)], block, CPU
+    )
     assert [(g.span_indices, g.num_blocks) for g in batch.shared_prefixes] == [((0, 1, 2), 3)]
     q = torch.randn(batch.num_tokens, heads, dim)
     k_new = torch.cat([k[c:] for k, c in zip(keys, cached)])
     v_new = torch.cat([v[c:] for v, c in zip(values, cached)])
-    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim ** -0.5)
+    out = paged_attention(q, k_new, v_new, 0, batch, pool, scale=dim**-0.5)
     assert_matches_dense_attention(out, q, keys, values, cached, lengths, kv_heads)
 
 

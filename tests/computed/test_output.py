@@ -47,14 +47,16 @@ def test_text_is_held_back_until_it_cannot_start_a_stop_string():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="abcE", max_size=40), st.lists(st.text(alphabet="abcE", min_size=1, max_size=4),
-                                                      max_size=3))
+@given(
+    st.text(alphabet="abcE", max_size=40),
+    st.lists(st.text(alphabet="abcE", min_size=1, max_size=4), max_size=3),
+)
 def test_streaming_equals_one_shot(text, stops):
     got, stopped = stream(text, tuple(stops))
     want, want_stopped = text, False
     for k in range(1, len(text) + 1):  # the first stop string to COMPLETE ends the text
         hits = [i for i in (text[:k].find(s) for s in stops) if i >= 0]
         if hits:
-            want, want_stopped = text[:min(hits)], True
+            want, want_stopped = text[: min(hits)], True
             break
     assert (got, stopped) == (want, want_stopped)

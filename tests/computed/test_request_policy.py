@@ -21,9 +21,19 @@ class ByteTokenizer:
 
 
 def policy(max_model_len: int = 32, num_blocks: int = 64, block_size: int = 4) -> RequestPolicy:
-    info = WorkerInfo(model_id="m", model_revision="r", architecture="llama", dtype="float32", device="cpu",
-                      block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                      vocab_size=256, eos_token_ids=(0,), blockd_address="")
+    info = WorkerInfo(
+        model_id="m",
+        model_revision="r",
+        architecture="llama",
+        dtype="float32",
+        device="cpu",
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        vocab_size=256,
+        eos_token_ids=(0,),
+        blockd_address="",
+    )
     return RequestPolicy(info, ByteTokenizer())
 
 
@@ -39,17 +49,20 @@ def test_an_explicit_max_tokens_that_cannot_fit_is_refused() -> None:
         policy().admit(GenerateInput(prompt="x" * 30, max_tokens=3))
 
 
-@pytest.mark.parametrize("request_, message", [
-    (GenerateInput(), "empty prompt"),
-    (GenerateInput(prompt="a", prompt_token_ids=[1]), "exactly one"),
-    (GenerateInput(prompt_token_ids=[300]), "out of range"),
-    (GenerateInput(prompt="x" * 32), "context is 32"),
-    (GenerateInput(messages=[("", "hi")]), "needs a role"),
-    (GenerateInput(prompt="a", stop_token_ids=[256]), "vocab size"),
-    (GenerateInput(prompt="a", cache_salt="s" * 1025), "cache_salt"),
-    (GenerateInput(prompt="a", request_id="r" * 257), "request_id"),
-    (GenerateInput(prompt="a", top_p=0.0), "top_p"),
-])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (GenerateInput(), "empty prompt"),
+        (GenerateInput(prompt="a", prompt_token_ids=[1]), "exactly one"),
+        (GenerateInput(prompt_token_ids=[300]), "out of range"),
+        (GenerateInput(prompt="x" * 32), "context is 32"),
+        (GenerateInput(messages=[("", "hi")]), "needs a role"),
+        (GenerateInput(prompt="a", stop_token_ids=[256]), "vocab size"),
+        (GenerateInput(prompt="a", cache_salt="s" * 1025), "cache_salt"),
+        (GenerateInput(prompt="a", request_id="r" * 257), "request_id"),
+        (GenerateInput(prompt="a", top_p=0.0), "top_p"),
+    ],
+)
 def test_bad_requests_say_what_to_fix(request_: GenerateInput, message: str) -> None:
     with pytest.raises(RequestError, match=message):
         policy().admit(request_)
@@ -66,7 +79,9 @@ def test_a_denormal_temperature_samples_greedily() -> None:
 
 def test_tokenize_renders_a_chat_or_encodes_text() -> None:
     assert policy().tokenize("", [("user", "hi")], add_special_tokens=True) == (
-        list(b"user: hi\n"), "user: hi\n")
+        list(b"user: hi\n"),
+        "user: hi\n",
+    )
     assert policy().tokenize("hi", [], add_special_tokens=True) == (list(b"hi"), "")
     with pytest.raises(RequestError, match="not both"):
         policy().tokenize("hi", [("user", "hi")], add_special_tokens=True)

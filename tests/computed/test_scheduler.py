@@ -31,7 +31,7 @@ def reference(prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 class Harness:
@@ -40,8 +40,10 @@ class Harness:
         self.directory = BlockDirectory()
         reg = self.directory.register_pool(num_blocks, block_size, bt.Namespace("test-model"))
         self.pool_id, self.epoch = reg.pool_id, reg.epoch
-        self.scheduler = Scheduler(SchedulerConfig(block_size=block_size, num_blocks=num_blocks,
-                                                   max_model_len=4096, **sched), eos_token_ids=())
+        self.scheduler = Scheduler(
+            SchedulerConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=4096, **sched),
+            eos_token_ids=(),
+        )
         self.shadow: dict[int, int] = {}  # pool slot -> token id whose K/V it holds
         self.num_model_tokens = 0
         self.max_chunk = 0
@@ -49,43 +51,60 @@ class Harness:
 
     def add(self, prompt: list[int], max_tokens: int, salt: str = "") -> Sequence:
         self._ids += 1
-        seq = Sequence(self._ids, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                       self.bs, cache_salt=salt)
+        seq = Sequence(
+            self._ids,
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            self.bs,
+            cache_salt=salt,
+        )
         self.scheduler.add(seq)
         return seq
 
     def step_directory(self, ops: DirectoryOps) -> DirectoryResult:
         res = self.directory.step(
-            self.pool_id, self.epoch,
+            self.pool_id,
+            self.epoch,
             commits=[bt.CommitOp(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits],
             releases=[bt.ReleaseOp(s) for s in ops.releases],
             grows=[bt.GrowOp(g.sequence_id, g.num_tokens) for g in ops.grows],
-            admits=[bt.AdmitOp(a.sequence_id, a.token_ids, a.cache_salt, a.public_prefix_tokens)
-                    for a in ops.admits])
+            admits=[
+                bt.AdmitOp(a.sequence_id, a.token_ids, a.cache_salt, a.public_prefix_tokens)
+                for a in ops.admits
+            ],
+        )
         self.check_accounting()
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in res.grows],
-            admits=[AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
-                    for a in res.admits],
-            num_free_blocks=res.num_free_blocks, num_evictable_blocks=res.num_evictable_blocks)
+            admits=[
+                AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                for a in res.admits
+            ],
+            num_free_blocks=res.num_free_blocks,
+            num_evictable_blocks=res.num_evictable_blocks,
+        )
 
     def forward(self, chunks: list[ScheduledChunk]) -> list[int | None]:
         cached = {b.block_id for b in self.directory.list_blocks(self.pool_id, page_size=10_000).blocks}
         out: list[int | None] = []
         for chunk in chunks:
             seq, bs = chunk.seq, self.bs
+
             def slot(p: int, seq: Sequence = seq, bs: int = bs) -> int:
                 return seq.block_table[p // bs] * bs + p % bs
+
             for p in range(chunk.write_from):  # everything attended to but not written now
                 if p < chunk.end:
-                    assert self.shadow.get(slot(p)) == seq.token_ids[p], f"seq {seq.sequence_id} pos {p}: wrong K/V"
+                    assert self.shadow.get(slot(p)) == seq.token_ids[p], (
+                        f"seq {seq.sequence_id} pos {p}: wrong K/V"
+                    )
             for p in range(chunk.write_from, chunk.end):
                 block = seq.block_table[p // bs]
                 assert block not in cached, f"seq {seq.sequence_id} writes into committed block {block}"
                 self.shadow[slot(p)] = seq.token_ids[p]
             self.num_model_tokens += chunk.num_tokens
             self.max_chunk = max(self.max_chunk, chunk.num_tokens)
-            out.append(next_token(seq.token_ids[:chunk.end]) if chunk.sample else None)
+            out.append(next_token(seq.token_ids[: chunk.end]) if chunk.sample else None)
         return out
 
     def run(self, max_iterations: int = 20_000) -> None:
@@ -168,8 +187,11 @@ def test_budget_charges_only_uncached_tokens():
 def test_random_workload_under_pressure_matches_reference(seed):
     """Shared prefixes, salts, a pool too small for everyone: preemption must be lossless."""
     rng = random.Random(seed)
-    h = Harness(num_blocks=rng.choice([24, 40, 64]), max_num_seqs=rng.choice([2, 4, 8]),
-                max_num_batched_tokens=rng.choice([6, 16, 64]))
+    h = Harness(
+        num_blocks=rng.choice([24, 40, 64]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([6, 16, 64]),
+    )
     prefixes = [rand_prompt(rng, rng.randrange(0, 30)) for _ in range(3)]
     seqs = []
     for _ in range(12):

@@ -26,8 +26,12 @@ TEXTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "Hi there  "}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "¿Qué tal? 中文"},
-     {"role": "assistant", "content": "Bien 🙂"}, {"role": "user", "content": "Bye"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "¿Qué tal? 中文"},
+        {"role": "assistant", "content": "Bien 🙂"},
+        {"role": "user", "content": "Bye"},
+    ],
 ]
 
 
@@ -47,7 +51,9 @@ def reference(path: Path):
 def test_encode_matches_transformers(checkpoint: Path, add_special_tokens: bool) -> None:
     ours, hf = Tokenizer(checkpoint), reference(checkpoint)
     for text in TEXTS:
-        assert ours.encode(text, add_special_tokens) == hf.encode(text, add_special_tokens=add_special_tokens), text
+        assert ours.encode(text, add_special_tokens) == hf.encode(
+            text, add_special_tokens=add_special_tokens
+        ), text
 
 
 def test_llama_style_adds_bos_and_qwen_style_does_not(tiny_models: TinyModels) -> None:
@@ -57,8 +63,9 @@ def test_llama_style_adds_bos_and_qwen_style_does_not(tiny_models: TinyModels) -
 
 
 @pytest.mark.parametrize("flags", [{"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True}])
-def test_bos_comes_from_tokenizer_json_as_in_transformers(tiny_models: TinyModels, tmp_path: Path,
-                                                          flags: dict) -> None:
+def test_bos_comes_from_tokenizer_json_as_in_transformers(
+    tiny_models: TinyModels, tmp_path: Path, flags: dict
+) -> None:
     """transformers 5 ignores tokenizer_config's add_bos/eos flags for tokenizer.json checkpoints."""
     path = _copy(tiny_models.get("llama"), tmp_path)
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -73,9 +80,13 @@ def test_decode_matches_transformers(checkpoint: Path, skip_special_tokens: bool
     ours, hf = Tokenizer(checkpoint), reference(checkpoint)
     rng = random.Random(0)
     sequences = [ours.encode(text) for text in TEXTS]
-    sequences += [[rng.randrange(ours.vocab_size) for _ in range(n)] for n in (1, 5, 40)]  # bytes may not be UTF-8
+    sequences += [
+        [rng.randrange(ours.vocab_size) for _ in range(n)] for n in (1, 5, 40)
+    ]  # bytes may not be UTF-8
     for ids in sequences:
-        assert ours.decode(ids, skip_special_tokens) == hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert ours.decode(ids, skip_special_tokens) == hf.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        )
     for text in (t for t in TEXTS if "<|" not in t):  # special tokens are skipped: no round trip
         assert ours.decode(ours.encode(text)) == text
 
@@ -92,9 +103,12 @@ def test_chat_template_matches_transformers(checkpoint: Path, add_generation_pro
     assert ours.has_chat_template
     for chat in CHATS:
         text = ours.apply_chat_template(chat, add_generation_prompt)
-        assert text == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
-        expected_ids = hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                              return_dict=False)
+        assert text == hf.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        expected_ids = hf.apply_chat_template(
+            chat, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
         assert ours.encode_chat(chat, add_generation_prompt) == list(expected_ids)
 
 

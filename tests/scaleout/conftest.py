@@ -28,11 +28,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     blockd = start_blockd(workdir, "--metrics-port", "0", "--log-format", "json")
     daemons = [blockd]
     try:
-        args = ("--metrics-port", "0", "--num-blocks", str(POOL_BLOCKS), "--block-size", str(BLOCK_SIZE),
-                "--log-format", "json")
+        args = (
+            "--metrics-port",
+            "0",
+            "--num-blocks",
+            str(POOL_BLOCKS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--log-format",
+            "json",
+        )
         with ThreadPoolExecutor(2) as pool:  # a worker takes seconds to start: start both at once
-            futures = [pool.submit(start_computed, workdir, blockd.address, *args, name=name)
-                       for name in ("computed-a", "computed-b")]
+            futures = [
+                pool.submit(start_computed, workdir, blockd.address, *args, name=name)
+                for name in ("computed-a", "computed-b")
+            ]
             errors = [future.exception() for future in futures]
         daemons += [future.result() for future in futures if future.exception() is None]
         for error in errors:

@@ -17,12 +17,19 @@ from kvcache.v1 import directory_pb2_grpc as pb_grpc
 class FakePool:
     """One registered pool; `sequence ids` are the caller's, unique while live."""
 
-    def __init__(self, channel: grpc.Channel, namespace: pb.Namespace, num_blocks: int, block_size: int,
-                 worker_address: str) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        namespace: pb.Namespace,
+        num_blocks: int,
+        block_size: int,
+        worker_address: str,
+    ) -> None:
         self._stub = pb_grpc.BlockDirectoryServiceStub(channel)
         self.block_size = block_size
         self._registration = pb.RegisterPoolRequest(
-            num_blocks=num_blocks, block_size=block_size, namespace=namespace, worker_address=worker_address)
+            num_blocks=num_blocks, block_size=block_size, namespace=namespace, worker_address=worker_address
+        )
         reply = self._stub.RegisterPool(self._registration, timeout=10)
         self.pool_id = reply.pool_id
         self.epoch = reply.epoch
@@ -46,9 +53,12 @@ class FakePool:
         stays cached (evictable) in this pool."""
         table = self.admit(sequence_id, tokens)
         width = num_blocks * self.block_size
-        self.step(commits=[pb.CommitOp(sequence_id=sequence_id, block_ids=table[:num_blocks],
-                                       token_ids=tokens[:width])],
-                  releases=[pb.ReleaseOp(sequence_id=sequence_id)])
+        self.step(
+            commits=[
+                pb.CommitOp(sequence_id=sequence_id, block_ids=table[:num_blocks], token_ids=tokens[:width])
+            ],
+            releases=[pb.ReleaseOp(sequence_id=sequence_id)],
+        )
 
     def release(self, *sequence_ids: int) -> None:
         self.step(releases=[pb.ReleaseOp(sequence_id=s) for s in sequence_ids])

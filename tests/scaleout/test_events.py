@@ -32,8 +32,12 @@ from tests.scaleout.helpers import BLOCK_SIZE, Stack, random_tokens
 
 SEED = 7
 SALT = "tenant-x"
-KINDS = {pb.BLOCK_EVENT_KIND_STORED: "stored", pb.BLOCK_EVENT_KIND_REMOVED: "removed",
-         pb.BLOCK_EVENT_KIND_CLEARED: "cleared", pb.BLOCK_EVENT_KIND_GAP: "gap"}
+KINDS = {
+    pb.BLOCK_EVENT_KIND_STORED: "stored",
+    pb.BLOCK_EVENT_KIND_REMOVED: "removed",
+    pb.BLOCK_EVENT_KIND_CLEARED: "cleared",
+    pb.BLOCK_EVENT_KIND_GAP: "gap",
+}
 NAMESPACE = pb.Namespace(model_id="fake-model", model_revision="r1", dtype="float32")
 
 Index = dict[str, dict[bytes, tuple[int, bytes, tuple[int, ...]]]]  # pool -> hash -> (id, parent, tokens)
@@ -79,15 +83,18 @@ class Mirror:
         pool = self.index[event.pool_id]
         if event.kind == pb.BLOCK_EVENT_KIND_STORED:
             if len(event.token_ids) != BLOCK_SIZE * len(event.block_hashes) or len(event.block_ids) != len(
-                    event.block_hashes):
+                event.block_hashes
+            ):
                 self.errors.append(f"malformed STORED {event.sequence}")
             parent = event.parent_hash
             if parent and parent not in pool:
                 self.errors.append(f"STORED {event.sequence}: parent not findable")
-            for i, (block_hash, block_id) in enumerate(zip(event.block_hashes, event.block_ids, strict=False)):
+            for i, (block_hash, block_id) in enumerate(
+                zip(event.block_hashes, event.block_ids, strict=False)
+            ):
                 if block_hash in pool:
                     self.errors.append(f"STORED {event.sequence}: block already stored")
-                tokens = tuple(event.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+                tokens = tuple(event.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
                 pool[block_hash] = (block_id, parent, tokens)
                 parent = block_hash
         elif event.kind == pb.BLOCK_EVENT_KIND_REMOVED:
@@ -105,7 +112,8 @@ class Mirror:
     def wait_for(self, sequence: int, timeout: float = 10.0) -> None:
         with self._changed:
             assert self._changed.wait_for(lambda: self.last_sequence >= sequence, timeout), (
-                f"the mirror saw events up to {self.last_sequence}, blockd is at {sequence}")
+                f"the mirror saw events up to {self.last_sequence}, blockd is at {sequence}"
+            )
 
     def snapshot(self) -> Index:
         with self._changed:
@@ -147,9 +155,15 @@ def workload(stack: Stack, rng: random.Random, num_requests: int) -> None:
     requests = []
     for _ in range(num_requests):
         head = rng.choice(trunks)[: rng.randrange(5) * BLOCK_SIZE + rng.randrange(BLOCK_SIZE)]
-        requests.append((head + random_tokens(rng, rng.randrange(1, 17)), SALT if rng.random() < 0.3 else "",
-                         rng.randrange(1, 4)))
+        requests.append(
+            (
+                head + random_tokens(rng, rng.randrange(1, 17)),
+                SALT if rng.random() < 0.3 else "",
+                rng.randrange(1, 4),
+            )
+        )
     with KVCacheClient(stack.blockd.address, stack.worker_addresses, routing="round-robin") as client:
+
         def send(request: tuple[list[int], str, int]) -> None:
             tokens, salt, max_tokens = request
             client.complete(token_ids=tokens, cache_salt=salt, max_tokens=max_tokens)
@@ -175,8 +189,10 @@ def test_event_mirror_agrees_with_list_blocks(stack: Stack) -> None:
             assert listed and mirrored == listed
             assert not mirror.errors, mirror.errors
 
-            print(f"\nmirror after the workload: {dict(mirror.kinds())}, "
-                  f"{sum(map(len, listed.values()))} blocks agree")
+            print(
+                f"\nmirror after the workload: {dict(mirror.kinds())}, "
+                f"{sum(map(len, listed.values()))} blocks agree"
+            )
 
             salted = random_tokens(rng, 2 * BLOCK_SIZE + 3)
             with KVCacheClient(stack.blockd.address, stack.worker_addresses) as generator:
@@ -206,10 +222,21 @@ def test_event_mirror_agrees_with_list_blocks(stack: Stack) -> None:
             assert [e.sequence for e in replayed] == list(range(resume + 1, last + 1))
             for event in replayed:
                 original = mirror.events[event.sequence]
-                assert (event.kind, event.pool_id, event.block_hashes, event.parent_hash, event.block_ids,
-                        event.token_ids) == (KINDS[original.kind], original.pool_id,
-                                             tuple(original.block_hashes), original.parent_hash or None,
-                                             tuple(original.block_ids), tuple(original.token_ids))
+                assert (
+                    event.kind,
+                    event.pool_id,
+                    event.block_hashes,
+                    event.parent_hash,
+                    event.block_ids,
+                    event.token_ids,
+                ) == (
+                    KINDS[original.kind],
+                    original.pool_id,
+                    tuple(original.block_hashes),
+                    original.parent_hash or None,
+                    tuple(original.block_ids),
+                    tuple(original.token_ids),
+                )
         finally:
             mirror.close()
 
@@ -224,9 +251,13 @@ def flood(pool: FakePool, admin: pb_grpc.DirectoryAdminServiceStub, num_events: 
         next_id += batch
         reply = pool.step(admits=[pb.AdmitOp(sequence_id=i, token_ids=[i] * BLOCK_SIZE) for i in ids])
         assert all(a.admitted for a in reply.admits)
-        pool.step(commits=[pb.CommitOp(sequence_id=i, block_ids=a.block_ids, token_ids=[i] * BLOCK_SIZE)
-                           for i, a in zip(ids, reply.admits, strict=True)],
-                  releases=[pb.ReleaseOp(sequence_id=i) for i in ids])
+        pool.step(
+            commits=[
+                pb.CommitOp(sequence_id=i, block_ids=a.block_ids, token_ids=[i] * BLOCK_SIZE)
+                for i, a in zip(ids, reply.admits, strict=True)
+            ],
+            releases=[pb.ReleaseOp(sequence_id=i) for i in ids],
+        )
         done = admin.GetStats(pb.GetStatsRequest(), timeout=10).last_event_sequence
     return done
 
@@ -264,7 +295,9 @@ def test_resume_outside_the_replay_window_gets_a_gap(tmp_path: Path) -> None:
                 pool.cache(10**6, [7] * BLOCK_SIZE * 2, 2)  # the pool is full: evicts, then stores
                 live = [next(call), next(call)]
                 assert [(e.kind, e.sequence) for e in live] == [
-                    (pb.BLOCK_EVENT_KIND_REMOVED, last + 1), (pb.BLOCK_EVENT_KIND_STORED, last + 2)]
+                    (pb.BLOCK_EVENT_KIND_REMOVED, last + 1),
+                    (pb.BLOCK_EVENT_KIND_STORED, last + 2),
+                ]
             finally:
                 call.cancel()
     finally:
@@ -275,8 +308,14 @@ def test_event_log_window_is_configurable(tmp_path: Path) -> None:
     """Operators size the replay window (how long a subscriber may be away); blockd's
     core has the setting (DirectoryConfig.event_log_capacity) but the daemon must
     expose it as a flag."""
-    usage = subprocess.run([sys.executable, "-m", "blockd", "--help"], cwd=REPO, capture_output=True,
-                           text=True, timeout=60, check=True).stdout
+    usage = subprocess.run(
+        [sys.executable, "-m", "blockd", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "--event-log-capacity" in usage, "blockd has no --event-log-capacity flag"
     blockd = start_blockd(tmp_path, "--event-log-capacity", "8", "--log-format", "json")
     try:

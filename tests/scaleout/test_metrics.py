@@ -65,8 +65,15 @@ def run_workload(stack: Stack, rng: random.Random) -> list[Sent]:
         for _ in range(10):
             tokens = rng.choice(prefixes) + random_tokens(rng, 4)
             done = client.complete(token_ids=tokens, max_tokens=rng.randrange(1, 6))
-            sent.append(Sent(done.worker_address, done.finish_reason, done.usage.prompt_tokens,
-                             done.usage.cached_tokens, tuple(tokens)))
+            sent.append(
+                Sent(
+                    done.worker_address,
+                    done.finish_reason,
+                    done.usage.prompt_tokens,
+                    done.usage.cached_tokens,
+                    tuple(tokens),
+                )
+            )
     tokens = random_tokens(rng, 20)
     with ComputedClient(stack.worker_b.address) as worker:
         stream = worker.generate(token_ids=tokens, max_tokens=100, ignore_eos=True)
@@ -97,8 +104,9 @@ def test_metrics_match_stats_and_the_workload(stack: Stack) -> None:
         blockd_before = client.get_stats()
         sent = run_workload(stack, rng)
         cancelled = sample(before[stack.worker_b.address], "computed_requests_total", outcome="cancelled")
-        wait_for_sample(urls[stack.worker_b.address], "computed_requests_total", cancelled + 1,
-                        outcome="cancelled")
+        wait_for_sample(
+            urls[stack.worker_b.address], "computed_requests_total", cancelled + 1, outcome="cancelled"
+        )
         stack.wait_idle()
         after = {address: scrape(url) for address, url in urls.items()}
 
@@ -106,8 +114,10 @@ def test_metrics_match_stats_and_the_workload(stack: Stack) -> None:
             mine = [s for s in sent if s.worker == address]
             assert mine, f"round robin sent nothing to {address}"
             old, new = before[address], after[address]
-            outcomes = {k: v - labelled(old, "computed_requests_total", "outcome").get(k, 0)
-                        for k, v in labelled(new, "computed_requests_total", "outcome").items()}
+            outcomes = {
+                k: v - labelled(old, "computed_requests_total", "outcome").get(k, 0)
+                for k, v in labelled(new, "computed_requests_total", "outcome").items()
+            }
             assert {k: v for k, v in outcomes.items() if v} == Counter(s.outcome for s in mine), address
             ttft = "computed_time_to_first_token_seconds"
             assert delta(new, old, f"{ttft}_count") == len(mine)  # every request got a first token
@@ -118,14 +128,17 @@ def test_metrics_match_stats_and_the_workload(stack: Stack) -> None:
             assert steps == delta(new, old, "computed_steps_total")  # one observation per iteration
             # Only cache misses run through the model.
             assert delta(new, old, "computed_prefill_tokens_total") == sum(
-                s.prompt_tokens - s.cached_tokens for s in mine)
+                s.prompt_tokens - s.cached_tokens for s in mine
+            )
 
         # blockd: the workload's tokens, as the responses reported them.
         blockd_after = client.get_stats()
         assert blockd_after.total.queried_tokens - blockd_before.total.queried_tokens == sum(
-            s.prompt_tokens for s in sent)
+            s.prompt_tokens for s in sent
+        )
         assert blockd_after.total.hit_tokens - blockd_before.total.hit_tokens == sum(
-            s.cached_tokens for s in sent)
+            s.cached_tokens for s in sent
+        )
 
         # Pin the prefix of the last request that hit (still cached: nothing ran since), so the
         # pinned and referenced gauges are not all zero.

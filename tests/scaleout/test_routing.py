@@ -85,8 +85,10 @@ def hit_rate(served: list[Served]) -> float:
 
 
 def placement(served: list[Served], workers: list[str]) -> str:
-    return ", ".join(f"family {f}: " + "".join(str(workers.index(s.worker)) for s in served if s.family == f)
-                     for f in range(FAMILIES))
+    return ", ".join(
+        f"family {f}: " + "".join(str(workers.index(s.worker)) for s in served if s.family == f)
+        for f in range(FAMILIES)
+    )
 
 
 def test_cache_aware_routing_beats_round_robin(stack: Stack) -> None:
@@ -94,8 +96,10 @@ def test_cache_aware_routing_beats_round_robin(stack: Stack) -> None:
     round_robin = run_families(stack, "round-robin")
     rates = {"cache-aware": hit_rate(routed), "round-robin": hit_rate(round_robin)}
     ratio = rates["cache-aware"] / rates["round-robin"] if rates["round-robin"] else math.inf
-    print(f"\nhit-token rate: cache-aware {rates['cache-aware']:.3f}, round-robin {rates['round-robin']:.3f}, "
-          f"ratio {ratio:.2f}")
+    print(
+        f"\nhit-token rate: cache-aware {rates['cache-aware']:.3f}, round-robin {rates['round-robin']:.3f}, "
+        f"ratio {ratio:.2f}"
+    )
     workers = stack.worker_addresses
     print(f"placement (worker index per request) cache-aware: {placement(routed, workers)}")
     print(f"placement (worker index per request) round-robin: {placement(round_robin, workers)}")
@@ -110,12 +114,15 @@ def test_cache_aware_routing_beats_round_robin(stack: Stack) -> None:
             first[s.family] = s
             assert s.cached_tokens == 0, f"request {i} hit a fresh prefix: {s}"
         elif s.worker != first[s.family].worker or s.cached_tokens != full_prefix:
-            misses.append(f"request {i} (family {s.family}, first served by worker "
-                          f"{workers.index(first[s.family].worker)}): worker {workers.index(s.worker)}, "
-                          f"{s.cached_tokens}/{full_prefix} cached")
+            misses.append(
+                f"request {i} (family {s.family}, first served by worker "
+                f"{workers.index(first[s.family].worker)}): worker {workers.index(s.worker)}, "
+                f"{s.cached_tokens}/{full_prefix} cached"
+            )
     assert not misses, (
         "cache-aware routing lost a family's prefix; each pool holds only two families, so the four "
-        f"must be spread over both workers (placement: {placement(routed, workers)}):\n" + "\n".join(misses))
+        f"must be spread over both workers (placement: {placement(routed, workers)}):\n" + "\n".join(misses)
+    )
     assert ratio >= MIN_RATIO, f"routing's hit rate is only {ratio:.2f}x round robin's: {rates}"
 
 
@@ -160,7 +167,10 @@ def test_route_breaks_ties_by_load_and_skips_an_overloaded_pool(stack: Stack) ->
                 loaded.admit(2, random_tokens(rng, light * BLOCK_SIZE))
                 route = client.route(tie)
                 assert (route.pool_id, route.worker_address, route.num_cached_tokens) == (
-                    idle.pool_id, idle.worker_address, full)
+                    idle.pool_id,
+                    idle.worker_address,
+                    full,
+                )
                 assert [c.pool_id for c in route.candidates[:2]] == [idle.pool_id, loaded.pool_id]
                 assert [c.load for c in route.candidates[:2]] == [0.0, light / num_blocks]
                 loaded.release(2)
