@@ -80,9 +80,8 @@ class PoolLeases:
         re-registering after a blockd restart)."""
         pool_id = pool_id if pool_id is not None else self._new_pool_id()
         old = self.slots.get(pool_id)
-        if old is not None and old.is_live and old.lease_expires_at <= self._clock():
-            self._expire(old)  # lapsed: as if the expiry task had run first
-        if old is not None and old.is_live:
+        # A lease that lapsed protects nothing, whether or not the expiry task ran yet.
+        if old is not None and old.is_live and old.lease_expires_at > self._clock():
             self._check_owner(old, pool_id, pool_token)
             token = old.pool_token
         else:
