@@ -186,10 +186,6 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    if config.worker_token is not None:
-        # server.py builds the directory client without a worker token argument; the
-        # client then takes the token from this variable.
-        os.environ[WORKER_TOKEN_ENV] = config.worker_token
     from computed.server import serve  # heavy imports (torch) only after --help
 
     return asyncio.run(serve(config))

@@ -11,14 +11,12 @@ the worker token, when there is one, as 'authorization: Bearer <token>'.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from computed.config import WORKER_TOKEN_ENV
 from computed.directory_ops import (
     AdmitOutcome,
     DirectoryOps,
@@ -67,8 +65,7 @@ class DirectoryClient:
         self.address = address
         self.spec = spec
         self.call_timeout = call_timeout
-        token = worker_token if worker_token is not None else os.environ.get(WORKER_TOKEN_ENV)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = (("authorization", f"Bearer {worker_token}"),) if worker_token else None
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

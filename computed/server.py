@@ -113,6 +113,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
             worker_address=config.worker_address or address,
         ),
         credentials=_blockd_credentials(config),
+        worker_token=config.worker_token,
     )
     eos = tuple(dict.fromkeys((*mc.eos_token_ids, *tokenizer.eos_token_ids)))
     scheduler = Scheduler(

@@ -184,7 +184,7 @@ async def test_open_worker_api_by_default():
         await env.server.stop(0)
 
 
-async def test_computed_directory_client_presents_the_worker_and_pool_tokens(guarded, monkeypatch):
+async def test_computed_directory_client_presents_the_worker_and_pool_tokens(guarded):
     from computed.directory_client import DirectoryClient, PoolSpec
     from computed.errors import DirectoryUnavailable
 
@@ -193,10 +193,8 @@ async def test_computed_directory_client_presents_the_worker_and_pool_tokens(gua
     )
     client = DirectoryClient(guarded.address, spec, worker_token=WORKER_TOKEN)
     stranger = DirectoryClient(guarded.address, spec, worker_token=WORKER_TOKEN)
-    monkeypatch.delenv("COMPUTED_WORKER_TOKEN", raising=False)
     anonymous = DirectoryClient(guarded.address, spec)
-    monkeypatch.setenv("COMPUTED_WORKER_TOKEN", WORKER_TOKEN)
-    from_env = DirectoryClient(guarded.address, spec)
+    other_worker = DirectoryClient(guarded.address, spec, worker_token=WORKER_TOKEN)
     try:
         first = await client.register()
         again = await client.register()  # recover(): the same pool id, its token presented
@@ -206,9 +204,9 @@ async def test_computed_directory_client_presents_the_worker_and_pool_tokens(gua
         stranger.lease = type(first)(first.pool_id, first.epoch, first.lease_ttl_seconds)  # no token
         with pytest.raises(DirectoryUnavailable, match="PERMISSION_DENIED"):
             await stranger.register()
-        assert (await from_env.register()).pool_id != first.pool_id
+        assert (await other_worker.register()).pool_id != first.pool_id
     finally:
-        for each in (client, stranger, anonymous, from_env):
+        for each in (client, stranger, anonymous, other_worker):
             await each.close()
 
 
@@ -239,3 +237,22 @@ def test_daemon_says_when_the_worker_api_is_open_and_takes_the_token_from_the_en
     finally:
         assert daemon.stop(signal.SIGTERM) == 0
     assert "worker API open" not in daemon.log()
+
+
+def test_both_daemons_serve_with_a_worker_token(tmp_path):
+    """computed --worker-token registers with a guarded blockd and its cache works."""
+    from clients.client import ComputedClient
+    from tests.daemons import start_computed
+
+    blockd = start_blockd(tmp_path, "--worker-token", WORKER_TOKEN)
+    computed = start_computed(tmp_path, blockd.address, "--worker-token", WORKER_TOKEN, "--num-blocks", "64")
+    try:
+        with ComputedClient(computed.address) as client:
+            prompt = list(range(7, 7 + 40))
+            first = client.complete(token_ids=prompt, max_tokens=2)
+            second = client.complete(token_ids=prompt, max_tokens=2)
+        assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == 32
+        assert first.token_ids == second.token_ids
+    finally:
+        assert computed.stop() == 0, computed.log()
+        assert blockd.stop() == 0, blockd.log()
