@@ -17,45 +17,97 @@ from dataclasses import dataclass
 
 from computed.sequence import Sequence
 
+# Sequences remembered per (salt, first block): the ones with the longest committed
+# prefixes (what a new admission is known to hit) and every one still computing.
+MAX_KNOWN_PER_KEY = 8
+
 
 @dataclass(frozen=True)
-class _Leader:
+class _Entry:
     token_ids: list[int]
     num_committed_blocks: int
+    computing: bool  # still computing blocks of its prompt (admitted now, or prefilling)
 
 
 class PrefixLeaders:
-    """The in-flight prefills of one scheduling step, indexed by salt and first block."""
+    """What one scheduling step knows about prompt blocks in flight, by salt and first block.
+
+    Running sequences tell which leading blocks are committed (a new admission sharing
+    them will hit them); prefilling and newly admitted ones tell which are still being
+    computed (a waiting request sharing those waits). An admission is credited with the
+    committed prefix it shares with a known sequence, so requests that follow a computed
+    prefix are admitted together, not one per step.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._by_key: dict[tuple, list[_Leader]] = {}
+        self._by_key: dict[tuple, list[_Entry]] = {}
 
-    def add(self, seq: Sequence, num_committed_blocks: int) -> None:
-        """`seq` computes its prompt now; its first `num_committed_blocks` are findable."""
+    def add_running(self, seq: Sequence) -> None:
+        self._add(seq, _Entry(seq.token_ids, seq.num_committed_blocks, computing=seq.is_prefilling))
+
+    def add_admitted(self, seq: Sequence) -> None:
+        """`seq` is being admitted: it computes its prompt past the prefix known committed."""
+        self._add(seq, _Entry(seq.token_ids, self.known_committed_blocks(seq), computing=True))
+
+    def known_committed_blocks(self, seq: Sequence) -> int:
         key = self._key(seq)
-        if key is not None:
-            self._by_key.setdefault(key, []).append(_Leader(seq.token_ids, num_committed_blocks))
+        if key is None:
+            return 0
+        return max(
+            (
+                self._common_blocks(seq.token_ids, e.token_ids, e.num_committed_blocks)
+                for e in self._by_key.get(key, ())
+                if e.num_committed_blocks > 0
+            ),
+            default=0,
+        )
 
     def should_wait(self, seq: Sequence) -> bool:
-        """True when a leader is still computing full blocks that `seq` would hit."""
+        """True when a sequence is still computing full blocks that `seq` would hit."""
         key = self._key(seq)
         if key is None:
             return False
         return any(
-            self._common_blocks(seq.token_ids, leader.token_ids) > leader.num_committed_blocks
-            for leader in self._by_key.get(key, ())
+            e.computing and self._shares_more_than(seq.token_ids, e.token_ids, e.num_committed_blocks)
+            for e in self._by_key.get(key, ())
         )
+
+    def _add(self, seq: Sequence, entry: _Entry) -> None:
+        key = self._key(seq)
+        if key is None:
+            return
+        entries = self._by_key.setdefault(key, [])
+        if entry.computing or len(entries) < MAX_KNOWN_PER_KEY:
+            entries.append(entry)
+            return
+        # Bounded work per waiting request: keep the longest committed prefixes.
+        weakest = min(
+            range(len(entries)), key=lambda i: (entries[i].computing, entries[i].num_committed_blocks)
+        )
+        if (
+            not entries[weakest].computing
+            and entries[weakest].num_committed_blocks < entry.num_committed_blocks
+        ):
+            entries[weakest] = entry
 
     def _key(self, seq: Sequence) -> tuple | None:
         if seq.num_tokens < self.block_size:
             return None  # no full block: nothing to share
         return seq.cache_salt, seq.public_prefix_tokens, tuple(seq.token_ids[: self.block_size])
 
-    def _common_blocks(self, a: list[int], b: list[int]) -> int:
-        """Full blocks the two token lists share from the start (binary search on slices,
-        each comparison one C-speed list equality)."""
-        low, high = 0, min(len(a), len(b)) // self.block_size
+    def _shares_more_than(self, a: list[int], b: list[int], num_blocks: int) -> bool:
+        """Whether the two token lists share more than `num_blocks` full leading blocks."""
+        end = (num_blocks + 1) * self.block_size
+        return min(len(a), len(b)) >= end and a[:end] == b[:end]
+
+    def _common_blocks(self, a: list[int], b: list[int], at_most: int) -> int:
+        """Full leading blocks the two token lists share, capped at `at_most` (one C-speed
+        list comparison when they share all of them, else a binary search on slices)."""
+        high = min(at_most, min(len(a), len(b)) // self.block_size)
+        if a[: high * self.block_size] == b[: high * self.block_size]:
+            return high
+        low, high = 0, high - 1
         while low < high:
             mid = (low + high + 1) // 2
             end = mid * self.block_size

@@ -142,10 +142,9 @@ class Scheduler:
             budget -= sum(1 for g in ops.grows)
         leaders = PrefixLeaders(self.config.block_size)
         for seq in self.running:
-            if seq.is_prefilling:
-                leaders.add(seq, seq.num_committed_blocks)
+            leaders.add_running(seq)
         for seq in self._admitting.values():
-            leaders.add(seq, 0)
+            leaders.add_admitted(seq)
         admitted: list[Sequence] = []
         for seq in self.waiting:
             if len(self.running) + len(admits) >= self.config.max_num_seqs:
@@ -161,7 +160,7 @@ class Scheduler:
                 AdmitOp(seq.sequence_id, list(seq.token_ids), seq.cache_salt, seq.public_prefix_tokens)
             )
             admitted.append(seq)
-            leaders.add(seq, 0)
+            leaders.add_admitted(seq)
             if budget is not None:
                 budget -= blocks
         if admitted:

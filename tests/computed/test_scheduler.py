@@ -266,3 +266,24 @@ def test_a_salted_request_does_not_wait_for_an_unsalted_prefix():
     a, b = h.add(p, 2), h.add(p, 2, salt="tenant-b")
     ops = h.scheduler.plan_ops()
     assert [x.sequence_id for x in ops.admits] == [a.sequence_id, b.sequence_id]
+
+
+def test_followers_of_a_computed_prefix_are_admitted_together():
+    """Once one follower is running on the cached prefix, the rest are credited with it
+    and admitted in one step, not held back one per step behind each other."""
+    h = Harness(num_blocks=512)
+    rng = random.Random(9)
+    prefix = rand_prompt(rng, 32 * 4)
+    h.add(prefix + rand_prompt(rng, 6), 2)
+    h.run()  # the prefix is committed, nothing runs
+    followers = [h.add(prefix + rand_prompt(rng, 6), 20) for _ in range(10)]
+    plans = []
+    for _ in range(3):
+        ops = h.scheduler.plan_ops()
+        plans.append(len(ops.admits))
+        h.scheduler.apply_result(ops, h.step_directory(ops))
+        chunks = h.scheduler.schedule()
+        if chunks:
+            h.scheduler.on_forward_done(chunks, h.forward(chunks))
+    assert plans == [1, 9, 0]
+    assert all(seq.num_cached_tokens == 32 * 4 for seq in followers)
