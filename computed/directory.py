@@ -7,10 +7,11 @@ against the real directory logic without a network. No gRPC here.
 
 Contract every implementation keeps:
 - `step` sends one batched Step; any failure of blockd (down, restarted, stale epoch,
-  lease lapsed) raises `computed.errors.DirectoryUnavailable` and changes nothing the
-  engine can see.
-- `needs_recovery` is True once the directory noticed on its own (e.g. a failed lease
-  renewal) that blockd lost this pool; `recover` clears it.
+  lease lapsed) raises `computed.errors.DirectoryUnavailable`, sets `needs_recovery`
+  and changes nothing else the engine can see.
+- `needs_recovery` is the one recovery flag: set by a failed step or when the
+  directory noticed on its own (a failed lease renewal) that blockd lost this pool;
+  only `recover` clears it.
 - `recover` (re-)registers the pool and re-declares `sequences` with a Resync; it
   retries until blockd answers, or until `stopping` is set.
 """

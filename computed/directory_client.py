@@ -18,11 +18,11 @@ import grpc
 import structlog
 
 from computed.directory_ops import (
-    AdmitOutcome,
+    AdmitResult,
     DirectoryOps,
     DirectoryResult,
-    GrowOutcome,
-    LiveSequence,
+    GrowResult,
+    ResyncSequence,
 )
 from computed.errors import DirectoryUnavailable
 from kvcache.v1 import directory_pb2 as pb
@@ -112,14 +112,14 @@ class DirectoryClient:
             pool_id=lease.pool_id,
             epoch=lease.epoch,
             commits=[
-                pb.CommitOp(sequence_id=c.seq_id, block_ids=c.block_ids, token_ids=c.token_ids)
+                pb.CommitOp(sequence_id=c.sequence_id, block_ids=c.block_ids, token_ids=c.token_ids)
                 for c in ops.commits
             ],
             releases=[pb.ReleaseOp(sequence_id=s) for s in ops.releases],
-            grows=[pb.GrowOp(sequence_id=g.seq_id, num_tokens=g.num_tokens) for g in ops.grows],
+            grows=[pb.GrowOp(sequence_id=g.sequence_id, num_tokens=g.num_tokens) for g in ops.grows],
             admits=[
                 pb.AdmitOp(
-                    sequence_id=a.seq_id,
+                    sequence_id=a.sequence_id,
                     token_ids=a.token_ids,
                     cache_salt=a.cache_salt,
                     public_prefix_tokens=a.public_prefix_tokens,
@@ -127,25 +127,29 @@ class DirectoryClient:
                 for a in ops.admits
             ],
         )
-        reply = await self._call(self._stub.Step, request)
+        try:
+            reply = await self._call(self._stub.Step, request)
+        except DirectoryUnavailable:
+            self.needs_recovery = True  # the Directory contract: recover before the next step
+            raise
         return DirectoryResult(
-            grows=[GrowOutcome(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
+            grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
             admits=[
-                AdmitOutcome(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
                 for a in reply.admits
             ],
             num_free_blocks=reply.num_free_blocks,
             num_evictable_blocks=reply.num_evictable_blocks,
         )
 
-    async def resync(self, sequences: list[LiveSequence]) -> None:
+    async def resync(self, sequences: list[ResyncSequence]) -> None:
         lease = self._require_lease()
         request = pb.ResyncRequest(
             pool_id=lease.pool_id,
             epoch=lease.epoch,
             sequences=[
                 pb.ResyncSequence(
-                    sequence_id=s.seq_id,
+                    sequence_id=s.sequence_id,
                     block_ids=s.block_ids,
                     token_ids=s.token_ids,
                     cache_salt=s.cache_salt,
@@ -163,7 +167,7 @@ class DirectoryClient:
             committed_blocks=reply.num_committed_blocks,
         )
 
-    async def recover(self, live: list[LiveSequence], stopping: asyncio.Event | None = None) -> None:
+    async def recover(self, live: list[ResyncSequence], stopping: asyncio.Event | None = None) -> None:
         """Re-register and resync until blockd answers (backoff with jitter)."""
         delay = 0.05
         while True:

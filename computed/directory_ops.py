@@ -19,11 +19,6 @@ class AdmitOp:
     cache_salt: str
     public_prefix_tokens: int
 
-    @property
-    def seq_id(self) -> SequenceId:
-        """Old name, kept while computed/directory_client.py still reads it."""
-        return self.sequence_id
-
 
 @dataclass(frozen=True)
 class GrowOp:
@@ -32,22 +27,12 @@ class GrowOp:
     # True when this step cannot run the sequence without the new block (not sent to blockd).
     is_urgent: bool
 
-    @property
-    def seq_id(self) -> SequenceId:
-        """Old name, kept while computed/directory_client.py still reads it."""
-        return self.sequence_id
-
 
 @dataclass(frozen=True)
 class CommitOp:
     sequence_id: SequenceId
     block_ids: list[BlockId]
     token_ids: list[int]
-
-    @property
-    def seq_id(self) -> SequenceId:
-        """Old name, kept while computed/directory_client.py still reads it."""
-        return self.sequence_id
 
 
 @dataclass
@@ -105,14 +90,3 @@ class ResyncSequence:
     token_ids: list[int]  # every token whose K/V is written into block_ids
     cache_salt: str
     public_prefix_tokens: int
-
-    @property
-    def seq_id(self) -> SequenceId:
-        """Old name, kept while computed/directory_client.py still reads it."""
-        return self.sequence_id
-
-
-# Old names, kept while computed/directory_client.py (not renamed yet) imports them.
-AdmitOutcome = AdmitResult
-GrowOutcome = GrowResult
-LiveSequence = ResyncSequence

@@ -80,10 +80,9 @@ class _Request:
 class Engine:
     """Owns the requests in flight; the scheduler owns their sequences' state.
 
-    Recovery: blockd is lost when a Step fails (noticed here) or when the directory
-    notices on its own (a failed lease renewal: `Directory.needs_recovery`). The
-    engine only reads the directory's flag and keeps its own `_step_failed`; the next
-    iteration then recovers once and both are clear afterwards.
+    Recovery: blockd is lost when a Step fails or the lease renewal fails; either way the
+    directory sets its one flag (`Directory.needs_recovery`), which the engine only
+    reads; the next iteration recovers once and `recover` clears it.
     """
 
     def __init__(
@@ -97,7 +96,6 @@ class Engine:
         self.observer = observer
         self.runner = runner
         self._directory = directory
-        self._step_failed = False
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
         self._sequence_ids = itertools.count(1)
@@ -184,7 +182,7 @@ class Engine:
 
     @property
     def needs_recovery(self) -> bool:
-        return self._step_failed or self._directory.needs_recovery
+        return self._directory.needs_recovery
 
     # --------------------------------------------------------------------- loop
 
@@ -247,7 +245,6 @@ class Engine:
         except DirectoryUnavailable as exc:
             log.warning("blockd_step_failed", error=str(exc))
             self.scheduler.on_step_failed(ops)
-            self._step_failed = True
             return None
 
     async def _recover(self) -> None:
@@ -255,7 +252,6 @@ class Engine:
         started = time.monotonic()
         declared = self.scheduler.resync_sequences()
         await self._directory.recover(declared, self._stopping)
-        self._step_failed = False
         self.scheduler.on_resynced(declared)
         self.stats.directory_wait_seconds += time.monotonic() - started
 

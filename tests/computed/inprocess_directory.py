@@ -50,6 +50,7 @@ class InProcessDirectory:
         lease = self._require_lease()
         if self._fail_next_step:
             self._fail_next_step = False
+            self.needs_recovery = True
             raise DirectoryUnavailable("UNAVAILABLE: injected by the test")
         try:
             result = self.directory.step(
@@ -64,6 +65,7 @@ class InProcessDirectory:
                 ],
             )
         except (bt.NotFound, bt.StaleEpoch) as exc:
+            self.needs_recovery = True
             raise DirectoryUnavailable(f"{type(exc).__name__}: {exc}") from exc
         self.num_steps += 1
         return DirectoryResult(
