@@ -47,8 +47,6 @@ from computed.kv_pool import KVPool
 # torch's fused CPU attention that also returns the log-sum-exp the merge needs.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-SharedPrefix = Segment  # the cascade's shared runs of blocks (see attention_plan.Segment)
-
 
 @dataclass(frozen=True)
 class SpanInput:
@@ -141,7 +139,7 @@ class AttentionBatch:
     max_position: int  # max(positions), known without a device sync
     tiles: tuple[Tile, ...] = ()
     # Runs of blocks shared by several sequences, read once per step (cascade); may be empty.
-    shared_prefixes: tuple[SharedPrefix, ...] = ()
+    shared_prefixes: tuple[Segment, ...] = ()
     # (T, depth) int64 partials of each query row, P = none (see AttentionPlan.merge_index).
     merge_index: torch.Tensor | None = None
 
