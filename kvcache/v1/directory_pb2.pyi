@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_SHARED: _ClassVar[Tier]
+
 class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BLOCK_EVENT_KIND_UNSPECIFIED: _ClassVar[BlockEventKind]
@@ -14,11 +21,19 @@ class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_EVENT_KIND_REMOVED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_CLEARED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_GAP: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_DEMOTED: _ClassVar[BlockEventKind]
+    BLOCK_EVENT_KIND_LOADED: _ClassVar[BlockEventKind]
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_SHARED: Tier
 BLOCK_EVENT_KIND_UNSPECIFIED: BlockEventKind
 BLOCK_EVENT_KIND_STORED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
 BLOCK_EVENT_KIND_CLEARED: BlockEventKind
 BLOCK_EVENT_KIND_GAP: BlockEventKind
+BLOCK_EVENT_KIND_DEMOTED: BlockEventKind
+BLOCK_EVENT_KIND_LOADED: BlockEventKind
 
 class Namespace(_message.Message):
     __slots__ = ("model_id", "model_revision", "dtype", "adapter_id")
@@ -33,20 +48,26 @@ class Namespace(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token")
+    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token", "num_host_blocks", "host_load_seconds_per_block", "prefill_seconds_per_token")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     namespace: Namespace
     worker_address: str
     pool_id: str
     pool_token: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ..., pool_token: _Optional[str] = ...) -> None: ...
+    num_host_blocks: int
+    host_load_seconds_per_block: float
+    prefill_seconds_per_token: float
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ..., pool_token: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., host_load_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens", "pool_token")
@@ -89,16 +110,26 @@ class AdmitOp(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class AdmitResult(_message.Message):
-    __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens")
+    __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens", "loads")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     admitted: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    loads: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("block_id", "host_block_id")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    host_block_id: int
+    def __init__(self, block_id: _Optional[int] = ..., host_block_id: _Optional[int] = ...) -> None: ...
 
 class GrowOp(_message.Message):
     __slots__ = ("sequence_id", "num_tokens")
@@ -151,16 +182,18 @@ class StepRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[CommitOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., grows: _Optional[_Iterable[_Union[GrowOp, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitOp, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("grows", "admits", "num_free_blocks", "num_evictable_blocks")
+    __slots__ = ("grows", "admits", "num_free_blocks", "num_evictable_blocks", "demotions")
     GROWS_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     grows: _containers.RepeatedCompositeFieldContainer[GrowResult]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitResult]
     num_free_blocks: int
     num_evictable_blocks: int
-    def __init__(self, grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ...) -> None: ...
+    demotions: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., demotions: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class ResyncSequence(_message.Message):
     __slots__ = ("sequence_id", "block_ids", "token_ids", "cache_salt", "public_prefix_tokens")
@@ -195,7 +228,7 @@ class ResyncResponse(_message.Message):
     def __init__(self, num_sequences: _Optional[int] = ..., num_committed_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred", "host")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +243,7 @@ class PoolStats(_message.Message):
     NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_ADMISSIONS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -224,7 +258,36 @@ class PoolStats(_message.Message):
     num_evictions: int
     num_admissions: int
     num_admissions_deferred: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ...) -> None: ...
+    host: TierStats
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "num_blocks", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "hit_tokens", "num_demotions", "num_loads", "num_evictions", "num_loads_skipped", "load_seconds_per_block", "recompute_seconds_per_block")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFERENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    num_blocks: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_referenced_blocks: int
+    hit_tokens: int
+    num_demotions: int
+    num_loads: int
+    num_evictions: int
+    num_loads_skipped: int
+    load_seconds_per_block: float
+    recompute_seconds_per_block: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_loads_skipped: _Optional[int] = ..., load_seconds_per_block: _Optional[float] = ..., recompute_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -327,18 +390,20 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolMatch(_message.Message):
-    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "load", "num_sequences")
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "load", "num_sequences", "num_host_cached_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_address: str
     num_cached_tokens: int
     load: float
     num_sequences: int
-    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load: _Optional[float] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+    num_host_cached_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_host_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matches",)
@@ -347,20 +412,34 @@ class LookupResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[PoolMatch, _Mapping]]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
-    __slots__ = ("pool_id", "cache_salt")
+    __slots__ = ("pool_id", "cache_salt", "tier")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     cache_salt: str
-    def __init__(self, pool_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, pool_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
-class FlushResponse(_message.Message):
-    __slots__ = ("dropped", "busy")
+class TierFlush(_message.Message):
+    __slots__ = ("tier", "dropped", "busy")
+    TIER_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
     dropped: int
     busy: int
-    def __init__(self, dropped: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dropped: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("dropped", "busy", "tiers")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    busy: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierFlush]
+    def __init__(self, dropped: _Optional[int] = ..., busy: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierFlush, _Mapping]]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "ttl_seconds", "pool_id")
@@ -409,7 +488,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, after_sequence: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = ("sequence", "kind", "pool_id", "block_hashes", "parent_hash", "token_ids", "block_ids")
+    __slots__ = ("sequence", "kind", "pool_id", "block_hashes", "parent_hash", "token_ids", "block_ids", "tier")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +496,7 @@ class WatchEventsResponse(_message.Message):
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: BlockEventKind
     pool_id: str
@@ -424,7 +504,8 @@ class WatchEventsResponse(_message.Message):
     parent_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[BlockEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[BlockEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens")
