@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="which unreferenced cached leaf goes first [BLOCKD_EVICTION_POLICY; lru]",
     )
     parser.add_argument(
+        "--demote-min-hits",
+        type=int,
+        metavar="N",
+        default=_env("DEMOTE_MIN_HITS", str(defaults.demote_min_hits)),
+        help="demote an evicted block to its worker's host tier only if it was hit at least N times "
+        f"(0: always; 1: seen twice) [BLOCKD_DEMOTE_MIN_HITS; {defaults.demote_min_hits}]",
+    )
+    parser.add_argument(
         "--event-log-capacity",
         type=int,
         metavar="N",
@@ -148,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         max_sequence_tokens=args.max_sequence_tokens,
         lease_ttl_seconds=args.lease_ttl,
         eviction_policy=args.eviction_policy,
+        demote_min_hits=args.demote_min_hits,
         event_log_capacity=args.event_log_capacity,
         # Epochs start at the wall clock (ms) so they keep growing across restarts.
         initial_epoch=int(time.time() * 1000),

@@ -8,7 +8,7 @@ handful of list operations).
 
 from __future__ import annotations
 
-from blockd.types import BlockHash, BlockId, SequenceId
+from blockd.types import BlockHash, BlockId, HostBlockId, SequenceId
 
 
 class Block:
@@ -29,6 +29,18 @@ class Block:
     - `ref_count` == holders: sequences whose table contains it, plus `pin_count`.
     - ref_count == 0 => cached (an uncached committed block is freed on its last
       release, since nothing can find it again).
+
+    Residency (pools with a host tier): a record is *device-cached* (`is_cached`, in
+    the pool's index) and/or *host-resident* (`host_block_id` set, in the host tier's
+    index); one record per content block, whichever tiers hold it, so a child's
+    `parent` identity survives its parent's moves and exact verification holds across
+    tiers. A record resident nowhere is gone. Further invariants:
+    - a host-only record (host-resident, not device-cached) has ref_count 0 and
+      `block_id` None; its parent is device-cached or host-resident (no orphans in
+      the union of the tiers), and `num_host_children` of a record counts its
+      host-only children;
+    - `host_refs` counts sequences copying the record into the device (loads in
+      flight); such a record is never evicted from the host tier.
     """
 
     __slots__ = (
@@ -37,11 +49,15 @@ class Block:
         "chain_salt",
         "depth",
         "heap_key",
+        "host_block_id",
+        "host_heap_key",
+        "host_refs",
         "is_cached",
         "last_tick",
         "mixed_salt",
         "num_cached_children",
         "num_hits",
+        "num_host_children",
         "parent",
         "payload",
         "pin_count",
@@ -51,7 +67,7 @@ class Block:
 
     def __init__(
         self,
-        block_id: BlockId,
+        block_id: BlockId | None,
         block_hash: BlockHash,
         parent: Block | None,
         token_bytes: bytes,
@@ -76,10 +92,20 @@ class Block:
         self.last_tick = 0  # logical time of the last release/unpin (LRU recency)
         self.num_hits = 0  # verified hits (LFU frequency)
         self.heap_key: int | None = None  # key of its valid entry in the evictable heap
+        self.host_block_id: HostBlockId | None = None
+        self.host_refs = 0
+        self.num_host_children = 0
+        self.host_heap_key: int | None = None  # key of its valid entry in the host tier's heap
 
     @property
     def is_evictable_leaf(self) -> bool:
         return self.is_cached and self.ref_count == 0 and self.num_cached_children == 0
+
+    @property
+    def is_host_leaf(self) -> bool:
+        """Evictable from the host tier: resident there, no load in flight, and no
+        host-only child (which would be orphaned)."""
+        return self.host_block_id is not None and self.host_refs == 0 and self.num_host_children == 0
 
     def __repr__(self) -> str:
         return (
@@ -101,6 +127,7 @@ class Sequence:
     __slots__ = (
         "block_ids",
         "committed",
+        "loading",
         "salt",
         "salt_block",
         "sequence_id",
@@ -122,6 +149,9 @@ class Sequence:
         self.token_bytes = token_bytes
         self.salt = salt
         self.salt_block = salt_block
+        # Host-only records this sequence copies into block_ids[num_committed:] (each
+        # holds one host_ref until its commit or the sequence's release).
+        self.loading: list[Block] = []
 
     @property
     def num_committed(self) -> int:

@@ -22,6 +22,9 @@ class DirectoryConfig:
     # A lease lapses this long after the worker's last RegisterPool/RenewLease/Step.
     lease_ttl_seconds: float = 10.0
     eviction_policy: str = "lru"
+    # A device eviction demotes a block to its worker's host tier when it was hit at
+    # least this often (0: every evicted block; 1: seen twice, i.e. not a one-off).
+    demote_min_hits: int = 0
     # Events kept for WatchEvents replay; older ones are answered with a GAP.
     event_log_capacity: int = 10_000
     # ... and at most this many bytes of them (STORED events carry their tokens).
@@ -51,6 +54,8 @@ class DirectoryConfig:
             )
         if self.event_log_capacity < 1:
             raise ValueError(f"event_log_capacity must be >= 1, got {self.event_log_capacity}")
+        if self.demote_min_hits < 0:
+            raise ValueError(f"demote_min_hits must be >= 0, got {self.demote_min_hits}")
         if self.event_log_max_bytes < 1:
             raise ValueError(f"event_log_max_bytes must be >= 1, got {self.event_log_max_bytes}")
         if not 0 <= self.route_load_margin <= 1:

@@ -26,11 +26,13 @@ from blockd.pins import PinTable
 from blockd.pool import BlockPool, PoolCounters
 from blockd.routing import by_cached_prefix, rank_for_route
 from blockd.types import (
+    NO_HOST_TIER,
     AdmitOp,
     BlockPage,
     CommitOp,
     FlushResult,
     GrowOp,
+    HostSpec,
     Namespace,
     PinId,
     PinResult,
@@ -44,6 +46,7 @@ from blockd.types import (
     Route,
     Stats,
     StepResult,
+    Tier,
 )
 from blockd.validation import (
     check_registration,
@@ -85,13 +88,16 @@ class BlockDirectory:
         worker_address: str = "",
         pool_id: PoolId | None = None,
         pool_token: str | None = None,
+        host: HostSpec = NO_HOST_TIER,
     ) -> Registration:
         """Declare a pool. With the id of a known pool, that pool is reset (references,
         sequences and index dropped) under a bumped epoch; an unknown id is created
         (a worker re-registering after a blockd restart). With `require_pool_token`, a
         live pool is reset only for the caller presenting its `pool_token`."""
-        check_registration(num_blocks, block_size, namespace, worker_address, pool_id, pool_token)
-        slot = self._leases.register(num_blocks, block_size, namespace, worker_address, pool_id, pool_token)
+        check_registration(num_blocks, block_size, namespace, worker_address, pool_id, pool_token, host)
+        slot = self._leases.register(
+            num_blocks, block_size, namespace, worker_address, pool_id, pool_token, host
+        )
         config = self.config
         return Registration(
             slot.pool.pool_id,
@@ -116,7 +122,9 @@ class BlockDirectory:
     ) -> StepResult:
         """One scheduler step: every op is validated first (any bad op raises and
         nothing changes), then commits, releases, grows and admits apply in that order.
-        A grow or admit that finds too few blocks answers False and changes nothing."""
+        A grow or admit that finds too few blocks answers False and changes nothing.
+        The answer carries the demotions its evictions owe (copies before the worker's
+        next forward)."""
         slot = self._leases.worker_slot(pool_id, epoch)
         pool = slot.pool
         plan = plan_step(pool, self.config, commits, releases, grows, admits)
@@ -128,7 +136,11 @@ class BlockDirectory:
         grown = tuple(pool.grow(sequence_id, num_tokens) for sequence_id, num_tokens in plan.grows)
         admitted = tuple(pool.admit(sequence_id, prompt) for sequence_id, prompt in plan.admits)
         pool.leaves.compact(pool.num_evictable)
-        return StepResult(grown, admitted, pool.num_free, pool.num_evictable)
+        demotions: tuple = ()
+        if pool.host is not None:
+            pool.host.leaves.compact(pool.host.num_evictable)
+            demotions, pool.demotions = tuple(pool.demotions), []
+        return StepResult(grown, admitted, pool.num_free, pool.num_evictable, demotions)
 
     def resync(self, pool_id: PoolId, epoch: int, sequences: Seq[ResyncSequence]) -> ResyncResult:
         """Make the worker's declared live sequences the whole state of the pool: it is
@@ -136,7 +148,9 @@ class BlockDirectory:
         are committed and indexed again. Idempotent, so a worker may retry it."""
         slot = self._leases.worker_slot(pool_id, epoch)
         old = slot.pool
-        fresh = self._new_pool(pool_id, old.num_blocks, old.block_size, slot.namespace, old.counters)
+        fresh = self._new_pool(
+            pool_id, old.num_blocks, old.block_size, slot.namespace, old.counters, old.host_spec
+        )
         plans = plan_resync(fresh, self.config, sequences)
         self._leases.reset(slot, fresh)
         num_indexed = fresh.resync(plans)
@@ -190,16 +204,22 @@ class BlockDirectory:
         best = ranked[0]
         return Route(best.pool_id, best.worker_address, best.num_cached_tokens, ranked)
 
-    def flush(self, pool_id: PoolId | None = None, cache_salt: str | None = None) -> FlushResult:
-        """Drop every unreferenced cached block (of one pool, of one salt); referenced
-        ones are counted busy and stay until released. Never refuses."""
+    def flush(
+        self, pool_id: PoolId | None = None, cache_salt: str | None = None, tier: Tier | None = None
+    ) -> FlushResult:
+        """Drop every unreferenced cached block (of one pool, of one salt, of one tier;
+        None: every tier); referenced ones (and host blocks being loaded) are counted
+        busy and stay until released. Never refuses."""
         check_salt(cache_salt or "", "flush")
-        dropped = busy = 0
+        tiers = frozenset(Tier) if tier is None else frozenset({tier})
+        per_tier: dict[Tier, list[int]] = {}
         for slot in self._leases.selected(pool_id):
-            pool_dropped, pool_busy = slot.pool.flush(cache_salt or None)
-            dropped += pool_dropped
-            busy += pool_busy
-        return FlushResult(dropped, busy)
+            for pool_tier, dropped, busy in slot.pool.flush(cache_salt or None, tiers):
+                counts = per_tier.setdefault(pool_tier, [0, 0])
+                counts[0] += dropped
+                counts[1] += busy
+        rows = tuple((t, d, b) for t, (d, b) in sorted(per_tier.items(), key=lambda item: item[0].value))
+        return FlushResult(sum(r[1] for r in rows), sum(r[2] for r in rows), rows)
 
     def pin(
         self,
@@ -231,11 +251,28 @@ class BlockDirectory:
     # ------------------------------------------------------------ private helpers
 
     def _new_pool(
-        self, pool_id: PoolId, num_blocks: int, block_size: int, namespace: Namespace, counters: PoolCounters
+        self,
+        pool_id: PoolId,
+        num_blocks: int,
+        block_size: int,
+        namespace: Namespace,
+        counters: PoolCounters,
+        host: HostSpec,
     ) -> BlockPool:
         seed = self._hasher.namespace_seed(namespace, block_size)
         policy = make_policy(self.config.eviction_policy)
-        return BlockPool(pool_id, num_blocks, block_size, seed, self._hasher, policy, self.events, counters)
+        return BlockPool(
+            pool_id,
+            num_blocks,
+            block_size,
+            seed,
+            self._hasher,
+            policy,
+            self.events,
+            counters,
+            host,
+            self.config.demote_min_hits,
+        )
 
     def _on_reset(self, pool_id: PoolId) -> None:
         """A live pool's blocks are about to be dropped: pins lose them, watchers hear it."""

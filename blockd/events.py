@@ -6,8 +6,9 @@ number the log never reached, e.g. after a blockd restart) it gets one GAP event
 carrying the newest sequence number: it should reload the state (ListBlocks) and
 resume after that number.
 
-Replaying every event from 0 reproduces the index of every pool: STORED adds
-hashes, REMOVED drops them, CLEARED drops all of one pool's.
+Replaying every event from 0 reproduces the index of every pool, per tier: STORED
+and LOADED add hashes to the device tier, DEMOTED adds them to the host tier,
+REMOVED drops them from its event's tier, CLEARED drops all of one pool's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from blockd.types import BlockHash, BlockId, PoolId
+from blockd.types import BlockHash, BlockId, PoolId, Tier
 
 
 class EventKind(enum.Enum):
@@ -26,6 +27,8 @@ class EventKind(enum.Enum):
     REMOVED = 2
     CLEARED = 3
     GAP = 4
+    DEMOTED = 5
+    LOADED = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +39,8 @@ class BlockEvent:
     block_hashes: tuple[BlockHash, ...] = ()
     block_ids: tuple[BlockId, ...] = ()
     parent_hash: BlockHash | None = None  # STORED: parent of the first hash
-    token_bytes: bytes = b""  # STORED: the blocks' tokens, uint32 little-endian
+    token_bytes: bytes = b""  # STORED/LOADED: the blocks' tokens, uint32 little-endian
+    tier: Tier = Tier.DEVICE  # HOST for DEMOTED and the host tier's REMOVED (host block ids)
 
 
 Listener = Callable[[], None]
@@ -65,11 +69,12 @@ class EventLog:
         block_ids: tuple[BlockId, ...] = (),
         parent_hash: BlockHash | None = None,
         token_bytes: bytes = b"",
+        tier: Tier = Tier.DEVICE,
     ) -> BlockEvent:
         assert kind is not EventKind.GAP, "GAP is synthesised by read(), never stored"
         self.last_sequence += 1
         event = BlockEvent(
-            self.last_sequence, kind, pool_id, block_hashes, block_ids, parent_hash, token_bytes
+            self.last_sequence, kind, pool_id, block_hashes, block_ids, parent_hash, token_bytes, tier
         )
         self._events.append(event)
         self._num_bytes += _size(event)

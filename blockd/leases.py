@@ -26,11 +26,20 @@ from dataclasses import dataclass
 
 from blockd.config import DirectoryConfig
 from blockd.pool import BlockPool, PoolCounters
-from blockd.types import Namespace, NotFound, PermissionDenied, PoolId, ResourceExhausted, StaleEpoch
+from blockd.types import (
+    NO_HOST_TIER,
+    HostSpec,
+    Namespace,
+    NotFound,
+    PermissionDenied,
+    PoolId,
+    ResourceExhausted,
+    StaleEpoch,
+)
 from blockd.validation import check_pool_id_given, shown
 
-PoolFactory = Callable[[PoolId, int, int, Namespace, PoolCounters], BlockPool]
-"""(pool id, num_blocks, block_size, namespace, counters) -> an empty pool."""
+PoolFactory = Callable[[PoolId, int, int, Namespace, PoolCounters, HostSpec], BlockPool]
+"""(pool id, num_blocks, block_size, namespace, counters, host tier) -> an empty pool."""
 
 
 @dataclass
@@ -73,6 +82,7 @@ class PoolLeases:
         worker_address: str,
         pool_id: PoolId | None,
         pool_token: str | None = None,
+        host: HostSpec = NO_HOST_TIER,
     ) -> PoolSlot:
         """A live slot with an empty pool (arguments validated). A known id is reset
         (references, sequences and index dropped) under a bumped epoch, if the caller
@@ -92,7 +102,7 @@ class PoolLeases:
             self._on_reset(pool_id)
         epoch = old.epoch + 1 if old is not None else self._config.initial_epoch
         counters = old.pool.counters if old is not None else PoolCounters()
-        pool = self._new_pool(pool_id, num_blocks, block_size, namespace, counters)
+        pool = self._new_pool(pool_id, num_blocks, block_size, namespace, counters, host)
         slot = PoolSlot(pool, namespace, worker_address, epoch, self._lease_end(), True, token)
         self.slots[pool_id] = slot
         return slot
@@ -193,6 +203,8 @@ class PoolLeases:
         assert slot.is_live, "only a live pool expires"
         old = slot.pool
         self._on_reset(old.pool_id)
-        slot.pool = self._new_pool(old.pool_id, old.num_blocks, old.block_size, slot.namespace, old.counters)
+        slot.pool = self._new_pool(
+            old.pool_id, old.num_blocks, old.block_size, slot.namespace, old.counters, old.host_spec
+        )
         slot.epoch += 1
         slot.is_live = False

@@ -15,6 +15,8 @@ from blockd.types import (
     PoolStats,
     ReleaseOp,
     ResyncSequence,
+    Tier,
+    TierStats,
 )
 from kvcache.v1 import directory_pb2 as pb
 
@@ -74,6 +76,28 @@ def pool_stats_to(stats: PoolStats) -> pb.PoolStats:
         num_evictions=stats.num_evictions,
         num_admissions=stats.num_admissions,
         num_admissions_deferred=stats.num_admissions_deferred,
+        host=tier_stats_to(stats.host) if stats.host is not None else None,
+    )
+
+
+TIERS = {Tier.DEVICE: pb.TIER_DEVICE, Tier.HOST: pb.TIER_HOST, Tier.SHARED: pb.TIER_SHARED}
+TIERS_FROM = {value: tier for tier, value in TIERS.items()}
+
+
+def tier_stats_to(stats: TierStats) -> pb.TierStats:
+    return pb.TierStats(
+        tier=TIERS[stats.tier],
+        num_blocks=stats.num_blocks,
+        num_free_blocks=stats.num_free_blocks,
+        num_evictable_blocks=stats.num_evictable_blocks,
+        num_referenced_blocks=stats.num_referenced_blocks,
+        hit_tokens=stats.hit_tokens,
+        num_demotions=stats.num_demotions,
+        num_loads=stats.num_loads,
+        num_evictions=stats.num_evictions,
+        num_loads_skipped=stats.num_loads_skipped,
+        load_seconds_per_block=stats.load_seconds_per_block,
+        recompute_seconds_per_block=stats.recompute_seconds_per_block,
     )
 
 
@@ -112,6 +136,7 @@ def pool_match_to(match: PoolMatch) -> pb.PoolMatch:
         num_cached_tokens=match.num_cached_tokens,
         load=match.load,
         num_sequences=match.num_sequences,
+        num_host_cached_tokens=match.num_host_cached_tokens,
     )
 
 
@@ -120,6 +145,8 @@ _EVENT_KINDS = {
     EventKind.REMOVED: pb.BLOCK_EVENT_KIND_REMOVED,
     EventKind.CLEARED: pb.BLOCK_EVENT_KIND_CLEARED,
     EventKind.GAP: pb.BLOCK_EVENT_KIND_GAP,
+    EventKind.DEMOTED: pb.BLOCK_EVENT_KIND_DEMOTED,
+    EventKind.LOADED: pb.BLOCK_EVENT_KIND_LOADED,
 }
 
 
@@ -132,4 +159,5 @@ def event_to(event: BlockEvent) -> pb.WatchEventsResponse:
         parent_hash=event.parent_hash or b"",
         token_ids=tokens_of(event.token_bytes),
         block_ids=event.block_ids,
+        tier=TIERS[event.tier] if event.kind is not EventKind.GAP and event.pool_id else pb.TIER_UNSPECIFIED,
     )

@@ -41,6 +41,29 @@ _GAUGES = (
 )
 
 
+_HOST_COUNTERS = (  # (metric name without _total, help, TierStats field); label tier="host"
+    ("kvcache_tier_hits", "Prompt tokens served from a lower tier (loaded)", "hit_tokens"),
+    ("kvcache_tier_demotions", "Blocks copied into a lower tier on device eviction", "num_demotions"),
+    ("kvcache_tier_loads", "Blocks copied from a lower tier into the device pool", "num_loads"),
+    ("kvcache_tier_evictions", "Blocks dropped from a lower tier to make room", "num_evictions"),
+    (
+        "kvcache_tier_loads_skipped",
+        "Lower-tier hits recomputed: the copy was estimated slower",
+        "num_loads_skipped",
+    ),
+)
+_HOST_GAUGES = (
+    ("kvcache_tier_blocks", "Blocks of a lower tier", "num_blocks"),
+    ("kvcache_tier_free_blocks", "Free blocks of a lower tier", "num_free_blocks"),
+    (
+        "kvcache_tier_evictable_blocks",
+        "Resident blocks of a lower tier not being loaded",
+        "num_evictable_blocks",
+    ),
+    ("kvcache_tier_referenced_blocks", "Blocks of a lower tier being loaded", "num_referenced_blocks"),
+)
+
+
 class DirectoryCollector(Collector):
     """One sample per pool (label pool_id) for each counter and gauge."""
 
@@ -59,6 +82,13 @@ class DirectoryCollector(Collector):
             for pool in stats:
                 family.add_metric([pool.pool_id or ""], getattr(pool, field))
             yield family
+        tiered = [pool for pool in stats if pool.host is not None]
+        for families, kind in ((_HOST_COUNTERS, CounterMetricFamily), (_HOST_GAUGES, GaugeMetricFamily)):
+            for name, help_text, field in families:
+                family = kind(name, help_text, labels=["pool_id", "tier"])
+                for pool in tiered:
+                    family.add_metric([pool.pool_id or "", "host"], getattr(pool.host, field))
+                yield family
         live = GaugeMetricFamily("kvcache_pools_live", "Pools whose lease is alive")
         live.add_metric([], sum(1 for info in self._directory.list_pools() if info.is_live))
         yield live

@@ -10,21 +10,40 @@ Every block is in exactly one of three states, so at every moment
 - referenced: held by live sequences or pins. Only a sequence's own uncommitted
   blocks are ever written; a referenced block is never evicted or handed out.
 
+With a host tier (`blockd.host_tier`), a block that leaves the device pool may stay
+findable there: eviction demotes what is worth keeping (the worker copies its K/V out
+before the device block is reused: `demotions`), an admission's walk goes on through
+host-resident blocks and loads them into its own new device blocks (`AdmitResult.loads`),
+and they become findable in the device pool when the sequence commits them, after the
+copy (commit-after-write, for loads). The identity above holds per tier.
+
 Methods assume their arguments were validated (`blockd.validation`); they only
 `assert` internal invariants, so a step that passed validation applies fully.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
 from blockd.eviction import EvictableLeaves, EvictionPolicy
 from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
+from blockd.host_tier import HostCounters, HostTier
 from blockd.prompt import Prompt
-from blockd.types import AdmitResult, BlockHash, BlockId, GrowResult, PoolId, SequenceId
+from blockd.types import (
+    NO_HOST_TIER,
+    AdmitResult,
+    BlockHash,
+    BlockId,
+    GrowResult,
+    HostBlockId,
+    HostSpec,
+    PoolId,
+    SequenceId,
+    Tier,
+)
 
 EVENT_CHUNK = 1024  # blocks per REMOVED event when a flush drops many
 
@@ -38,6 +57,7 @@ class PoolCounters:
     num_evictions: int = 0
     num_admissions: int = 0
     num_admissions_deferred: int = 0
+    host: HostCounters = field(default_factory=HostCounters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +82,8 @@ class BlockPool:
         policy: EvictionPolicy,
         events: EventLog,
         counters: PoolCounters,
+        host_spec: HostSpec = NO_HOST_TIER,
+        demote_min_hits: int = 0,
     ) -> None:
         self.pool_id = pool_id
         self.num_blocks = num_blocks
@@ -79,6 +101,16 @@ class BlockPool:
         self._hasher = hasher
         self._events = events
         self._tick = 0  # logical clock for recency
+        self.host_spec = host_spec
+        self.host = HostTier(host_spec, block_size, policy, counters.host) if host_spec.num_blocks else None
+        # A block is demoted when it was hit at least this often (0: always; 1: seen
+        # twice), or when host-only children depend on it.
+        self.demote_min_hits = demote_min_hits
+        # Copies the worker owes before its next forward; the directory drains them
+        # into each StepResult.
+        self.demotions: list[tuple[BlockId, HostBlockId]] = []
+        self._demoted: list[Block] = []  # for the DEMOTED event of the current op
+        self._host_dropped: list[tuple[Block, HostBlockId]] = []  # for the host REMOVED event
 
     # ------------------------------------------------------------ queries
 
@@ -117,6 +149,33 @@ class BlockPool:
         del candidates[num_hits:]
         return candidates
 
+    def match_tiers(self, prompt: Prompt) -> tuple[list[Block], list[Block]]:
+        """Verified hits in every tier: (device-cached hits, host-only hits after them).
+        The device pool holds a prefix-closed set (a cached block's parent is cached),
+        so once a hit is host-only, so is every later one. Same exactness as `match`:
+        record identity of the parent and an equal payload, never the hash alone."""
+        host = self.host
+        if host is None:
+            return self.match(prompt), []
+        index, host_index = self.index, host.index
+
+        def lookup(block_hash: BlockHash) -> Block | None:
+            return index.get(block_hash) or host_index.get(block_hash)
+
+        payloads = prompt.payloads(self.block_size)
+        candidates: list[Block] = self._hasher.walk(self.seed, payloads, lookup)
+        num_hits = num_device = 0
+        parent: Block | None = None
+        for block, payload in zip(candidates, payloads):
+            if block.parent is not parent or block.payload != payload:
+                break
+            if block.is_cached:
+                num_device += 1
+            parent = block
+            num_hits += 1
+        assert all(not b.is_cached for b in candidates[num_device:num_hits]), "device set is prefix-closed"
+        return candidates[:num_device], candidates[num_device:num_hits]
+
     # ------------------------------------------------------------ step ops
 
     def admit(self, sequence_id: SequenceId, prompt: Prompt) -> AdmitResult:
@@ -124,7 +183,11 @@ class BlockPool:
         so the allocation can never evict a block this admission reuses. Without
         enough free + evictable blocks nothing changes and admitted is False."""
         num_tokens = prompt.num_tokens
-        hits = self.match(prompt)
+        hits, host_hits = self.match_tiers(prompt)
+        host = self.host
+        if host_hits and not host.pays_to_load(len(host_hits)):  # type: ignore[union-attr]
+            host.counters.num_loads_skipped += 1  # type: ignore[union-attr]
+            host_hits = []
         num_missing = self.num_blocks_for(num_tokens) - len(hits)
         available = len(self.free) + self.num_evictable
         # Referencing an unreferenced hit takes it from the evictable blocks; count those
@@ -140,18 +203,30 @@ class BlockPool:
             block.num_hits += 1
         self.num_evictable -= num_revived
         self.num_referenced += num_revived
+        for block in host_hits:  # held before allocating, so no demotion can evict them
+            host.ref(block)  # type: ignore[union-attr]
         block_ids = [block.block_id for block in hits]
         block_ids += self._allocate(num_missing)
+        self._emit_tier_events()
         salt_block = prompt.salt_block(self.block_size)
-        self.sequences[sequence_id] = Sequence(
-            sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block
-        )
-        num_cached_tokens = len(hits) * self.block_size
+        sequence = Sequence(sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block)
+        self.sequences[sequence_id] = sequence
+        loads: tuple[tuple[BlockId, HostBlockId], ...] = ()
+        if host_hits:
+            sequence.loading = host_hits
+            first = len(hits)
+            loads = tuple(
+                (block_ids[first + i], block.host_block_id)  # type: ignore[misc]
+                for i, block in enumerate(host_hits)
+            )
+            host.counters.num_loads += len(host_hits)  # type: ignore[union-attr]
+            host.counters.hit_tokens += len(host_hits) * self.block_size  # type: ignore[union-attr]
+        num_cached_tokens = (len(hits) + len(host_hits)) * self.block_size
         counters = self.counters
         counters.num_admissions += 1
         counters.queried_tokens += num_tokens
         counters.hit_tokens += num_cached_tokens
-        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens)
+        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens, loads)
 
     def grow(self, sequence_id: SequenceId, num_tokens: int) -> GrowResult:
         sequence = self.sequences[sequence_id]
@@ -161,6 +236,7 @@ class BlockPool:
         if len(self.free) + self.num_evictable < num_missing:
             return GrowResult(sequence_id, False)
         new_block_ids = self._allocate(num_missing)
+        self._emit_tier_events()
         sequence.block_ids.extend(new_block_ids)
         return GrowResult(sequence_id, True, tuple(new_block_ids))
 
@@ -173,6 +249,11 @@ class BlockPool:
         assert block_ids == sequence.block_ids[start : start + len(block_ids)], "commit run"
         parent = committed[-1] if committed else None
         blocks = split_blocks(data, self.block_size)
+        if sequence.loading:  # these loads' copies are done: release their host blocks
+            num_loaded = min(len(block_ids), len(sequence.loading))
+            for record in sequence.loading[:num_loaded]:
+                self.host.unref(record)  # type: ignore[union-attr]
+            del sequence.loading[:num_loaded]
         salt_index = sequence.salt_block - start if sequence.salt_block is not None else None
         payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
@@ -186,6 +267,8 @@ class BlockPool:
         once unreferenced, its own uncommitted blocks return to free. One tick stamps
         the whole chain, so a parent is never more recent than its child."""
         sequence = self.sequences.pop(sequence_id)
+        for record in sequence.loading:  # loads never committed (cancelled or preempted)
+            self.host.unref(record)  # type: ignore[union-attr]
         self._tick += 1
         tick = self._tick
         num_idle = 0  # unreferenced now, cached, with cached children: evictable, not leaves
@@ -205,27 +288,54 @@ class BlockPool:
 
     # ------------------------------------------------------------ admin ops
 
-    def flush(self, salt: str | None) -> tuple[int, int]:
-        """Drop every unreferenced cached block (of chains carrying `salt` if given);
-        answer (dropped, busy). Descendants of an unreferenced block are unreferenced
-        and carry its salt, so no cached block is left without its parent."""
+    def flush(self, salt: str | None, tiers: frozenset[Tier]) -> list[tuple[Tier, int, int]]:
+        """Drop every unreferenced cached block (of chains carrying `salt` if given) of
+        the given tiers; answer (tier, dropped, busy) per tier this pool has. Blocks go
+        children first; descendants of an unreferenced block are unreferenced and carry
+        its salt, so no findable block is left without its parent (a device-only flush
+        keeps host copies findable, and drops host-only blocks whose parent it took)."""
+        answer: list[tuple[Tier, int, int]] = []
+        if self.host is not None and Tier.HOST in tiers:
+            answer.append((Tier.HOST, *self._flush_host(salt)))
+        if Tier.DEVICE in tiers:
+            answer.append((Tier.DEVICE, *self._flush_device(salt)))
+        return answer
+
+    def _flush_device(self, salt: str | None) -> tuple[int, int]:
         matching = [b for b in self.index.values() if salt is None or b.chain_salt == salt]
         dropped = [b for b in matching if b.ref_count == 0]
+        dropped.sort(key=_deepest_first)
         for block in dropped:
             _, leaf = self._drop_chain(block, 1, None)
             if leaf is not None:
                 self.leaves.push(leaf)
+            self._left_device(block, demote=False)
         self.num_evictable -= len(dropped)
-        self.free.give_all([block.block_id for block in dropped])
+        self.free.give_all([block.block_id for block in dropped])  # type: ignore[misc]
         for i in range(0, len(dropped), EVENT_CHUNK):
             chunk = dropped[i : i + EVENT_CHUNK]
             self._events.append(
                 EventKind.REMOVED,
                 self.pool_id,
                 tuple(b.block_hash for b in chunk),
-                tuple(b.block_id for b in chunk),
+                tuple(b.block_id for b in chunk),  # type: ignore[misc]
             )
+        self._emit_tier_events()
         return len(dropped), len(matching) - len(dropped)
+
+    def _flush_host(self, salt: str | None) -> tuple[int, int]:
+        host = self.host
+        assert host is not None
+        matching = [b for b in host.index.values() if salt is None or b.chain_salt == salt]
+        idle = sorted((b for b in matching if b.host_refs == 0), key=_deepest_first)
+        num_dropped = 0
+        for block in idle:
+            if block.num_host_children:  # a host-only child is being loaded: keep its parent
+                continue
+            self._drop_host_copy(block)
+            num_dropped += 1
+        self._emit_tier_events()
+        return num_dropped, len(matching) - num_dropped
 
     def pin(self, blocks: list[Block]) -> None:
         """Hold a reference on cached blocks (a pinned prefix is never evicted)."""
@@ -316,6 +426,7 @@ class BlockPool:
         indexed blocks are a prefix of the run: one STORED event, cut from the inputs."""
         records = self.blocks
         index = self.index
+        host_index = self.host.index if self.host is not None else None
         assert records.keys().isdisjoint(block_ids), "a block of the run is already committed"
         salts: list[str | None] = [None] * len(block_ids)
         if salt_index is not None and 0 <= salt_index < len(salts):
@@ -323,12 +434,25 @@ class BlockPool:
         first_parent = parent
         indexing = parent is None or parent.is_cached
         num_stored = 0
+        loaded: list[bool] = []  # per indexed block: an existing host record, now loaded
         run: list[Block] = []
         append = run.append
         for block_id, block_hash, tokens, payload, mixed_salt in zip(
             block_ids, hashes, blocks, payloads, salts
         ):
-            block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
+            kept = None
+            if host_index is not None and indexing and block_hash not in index:
+                kept = host_index.get(block_hash)
+            if kept is not None and not kept.is_cached and kept.parent is parent and kept.payload == payload:
+                # The content's host-only record (loaded, or recomputed beside it) gains
+                # this device copy: one record per content block, its history kept.
+                block = kept
+                assert block.ref_count == 0, f"a host-only record is unreferenced: {block}"
+                block.block_id = block_id
+                block.ref_count = 1
+                self.host.child_left(parent)  # type: ignore[union-attr]
+            else:
+                block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
             records[block_id] = block
             if indexing:
                 if block_hash in index:
@@ -339,17 +463,24 @@ class BlockPool:
                     if parent is not None:
                         parent.num_cached_children += 1
                     num_stored += 1
+                    loaded.append(block is kept)
             append(block)
             parent = block
-        if num_stored:
+        start = 0
+        while start < num_stored:  # one STORED or LOADED event per run of either
+            end = start + 1
+            while end < num_stored and loaded[end] == loaded[start]:
+                end += 1
+            before = run[start - 1] if start else first_parent
             self._events.append(
-                EventKind.STORED,
+                EventKind.LOADED if loaded[start] else EventKind.STORED,
                 self.pool_id,
-                tuple(hashes[:num_stored]),
-                tuple(block_ids[:num_stored]),
-                first_parent.block_hash if first_parent is not None else None,
-                b"".join(blocks[:num_stored]),
+                tuple(hashes[start:end]),
+                tuple(block_ids[start:end]),
+                before.block_hash if before is not None else None,
+                b"".join(blocks[start:end]),
             )
+            start = end
         return run
 
     def _allocate(self, num: int) -> list[BlockId]:
@@ -372,6 +503,9 @@ class BlockPool:
             evicted += dropped
             if leaf is not None:
                 leaves.push(leaf)
+            if self.host is not None:
+                for gone in dropped:  # child first: a demoted child keeps its parent worth it
+                    self._left_device(gone, demote=True)
         self.num_evictable -= num
         self.counters.num_evictions += num
         block_ids = [block.block_id for block in evicted]
@@ -410,6 +544,99 @@ class BlockPool:
                 return dropped, parent  # a pushed block loses ties, so only "below" is sure
             block = parent
 
+    # ------------------------------------------------------------ host tier
+
+    def _left_device(self, block: Block, demote: bool) -> None:
+        """`block` was just dropped from the device index. It stays findable if the host
+        tier holds it, or now takes it (`demote`, when worth keeping: hit often enough,
+        or host-only children depend on it; the worker copies it out first). Otherwise
+        it is gone, and so are its host-only descendants."""
+        host = self.host
+        if host is None:
+            return
+        if block.host_block_id is None:
+            # Another record under this hash in the host tier (a collision, or a copy
+            # under another parent record) keeps its place: one record per hash.
+            worth = block.num_host_children or block.num_hits >= self.demote_min_hits
+            if demote and worth and block.block_hash not in host.index:
+                host_block_id = self._take_host_block()
+                if host_block_id is not None:
+                    host.place(block, host_block_id)
+                    self.demotions.append((block.block_id, host_block_id))  # type: ignore[arg-type]
+                    self._demoted.append(block)
+                    host.counters.num_demotions += 1
+            if block.host_block_id is None:
+                if block.num_host_children:
+                    self._drop_host_descendants(block)
+                return
+        if block.parent is not None:  # host-only from now on
+            block.parent.num_host_children += 1
+
+    def _take_host_block(self) -> HostBlockId | None:
+        """A free host block, else the one of the host tier's first leaf (evicted)."""
+        host = self.host
+        assert host is not None
+        if len(host.free):
+            return host.free.take(1)[0]  # type: ignore[return-value]
+        victim = host.leaves.pop()
+        if victim is None:
+            return None  # every host block is being loaded or holds a needed parent
+        host.counters.num_evictions += 1
+        return self._drop_host_copy(victim, give_back=False)
+
+    def _drop_host_copy(self, block: Block, give_back: bool = True) -> HostBlockId:
+        """Drop `block`'s host copy (a host leaf, or a device-cached record): a host-only
+        record leaves the directory. Answers the host block (freed if `give_back`)."""
+        host = self.host
+        assert host is not None
+        host_block_id = host.remove(block)
+        self._host_dropped.append((block, host_block_id))
+        if not block.is_cached:
+            assert block.num_host_children == 0, f"host-only {block} would orphan its children"
+            host.child_left(block.parent)
+        if give_back:
+            host.free.give([host_block_id])  # type: ignore[list-item]
+        return host_block_id
+
+    def _drop_host_descendants(self, root: Block) -> None:
+        """Rare: `root` left every tier while host-only descendants remain (the host tier
+        had no room for it, or a device-only flush took it). They could never be
+        reached again: drop them, deepest first. O(host tier)."""
+        host = self.host
+        assert host is not None
+        doomed = []
+        for record in host.index.values():
+            ancestor = record.parent
+            while ancestor is not None and ancestor is not root and not ancestor.is_cached:
+                ancestor = ancestor.parent
+            if ancestor is root and not record.is_cached:
+                doomed.append(record)
+        for record in sorted(doomed, key=_deepest_first):
+            assert record.host_refs == 0, "a load holds its parent chain, so root was not evictable"
+            self._drop_host_copy(record)
+        assert root.num_host_children == 0
+
+    def _emit_tier_events(self) -> None:
+        """The DEMOTED and host REMOVED events of the op that just ran."""
+        if self._host_dropped:
+            dropped, self._host_dropped = self._host_dropped, []
+            self._events.append(
+                EventKind.REMOVED,
+                self.pool_id,
+                tuple(b.block_hash for b, _ in dropped),
+                tuple(h for _, h in dropped),  # type: ignore[misc]
+                tier=Tier.HOST,
+            )
+        if self._demoted:
+            demoted, self._demoted = self._demoted, []
+            self._events.append(
+                EventKind.DEMOTED,
+                self.pool_id,
+                tuple(b.block_hash for b in demoted),
+                tuple(b.host_block_id for b in demoted),  # type: ignore[misc]
+                tier=Tier.HOST,
+            )
+
     def _unreferenced(self, block: Block, tick: int) -> None:
         """A block's last reference is gone: cached ones become evictable, the others
         (never findable) are freed."""
@@ -422,6 +649,10 @@ class BlockPool:
         else:
             del self.blocks[block.block_id]
             self.free.give_all([block.block_id])
+
+
+def _deepest_first(block: Block) -> int:
+    return -block.depth
 
 
 def _num_unreferenced(blocks: list[Block]) -> int:

@@ -13,7 +13,7 @@ from blockd.hashing import tokens_of
 from blockd.leases import PoolSlot
 from blockd.pool import BlockPool
 from blockd.prompt import Prompt
-from blockd.types import BlockInfo, BlockPage, PoolId, PoolInfo, PoolMatch, PoolStats
+from blockd.types import BlockInfo, BlockPage, PoolId, PoolInfo, PoolMatch, PoolStats, Tier, TierStats
 from blockd.validation import encode_page_token
 
 _SUMMED = (
@@ -30,6 +30,27 @@ _SUMMED = (
     "num_admissions",
     "num_admissions_deferred",
 )
+
+
+def host_stats(pool: BlockPool) -> TierStats | None:
+    host = pool.host
+    if host is None:
+        return None
+    c = host.counters
+    return TierStats(
+        Tier.HOST,
+        host.num_blocks,
+        len(host.free),
+        host.num_evictable,
+        host.num_referenced,
+        c.hit_tokens,
+        c.num_demotions,
+        c.num_loads,
+        c.num_evictions,
+        c.num_loads_skipped,
+        host.load_seconds_per_block,
+        host.recompute_seconds_per_block,
+    )
 
 
 def pool_stats(pool: BlockPool) -> PoolStats:
@@ -49,6 +70,7 @@ def pool_stats(pool: BlockPool) -> PoolStats:
         c.num_evictions,
         c.num_admissions,
         c.num_admissions_deferred,
+        host_stats(pool),
     )
 
 
@@ -59,7 +81,29 @@ def total(pools: Iterable[PoolStats]) -> PoolStats:
         return pools[0]
     block_sizes = {p.block_size for p in pools}
     sums = {name: sum(getattr(p, name) for p in pools) for name in _SUMMED}
-    return PoolStats(None, block_size=block_sizes.pop() if len(block_sizes) == 1 else 0, **sums)
+    hosts = [p.host for p in pools if p.host is not None]
+    host = None
+    if hosts:
+        host = TierStats(
+            Tier.HOST,
+            **{name: sum(getattr(h, name) for h in hosts) for name in _TIER_SUMMED},
+            load_seconds_per_block=0.0,
+            recompute_seconds_per_block=0.0,
+        )
+    return PoolStats(None, block_size=block_sizes.pop() if len(block_sizes) == 1 else 0, host=host, **sums)
+
+
+_TIER_SUMMED = (
+    "num_blocks",
+    "num_free_blocks",
+    "num_evictable_blocks",
+    "num_referenced_blocks",
+    "hit_tokens",
+    "num_demotions",
+    "num_loads",
+    "num_evictions",
+    "num_loads_skipped",
+)
 
 
 def pool_infos(slots: dict[PoolId, PoolSlot], now: float) -> tuple[PoolInfo, ...]:
@@ -117,14 +161,16 @@ def matches(slots: Iterable[PoolSlot], prompt: Prompt) -> list[PoolMatch]:
     found = []
     for slot in slots:
         pool = slot.pool
+        device, host = pool.match_tiers(prompt)
         found.append(
             PoolMatch(
                 pool.pool_id,
                 slot.worker_address,
-                len(pool.match(prompt)) * pool.block_size,
+                (len(device) + len(host)) * pool.block_size,
                 pool.load,
                 len(pool.sequences),
-                len(pool.index) / pool.num_blocks,
+                num_host_cached_tokens=len(host) * pool.block_size,
+                occupancy=len(pool.index) / pool.num_blocks,
             )
         )
     return found

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from blockd.types import PoolMatch
 
+# A host tier hit saves the prefill but pays a copy into the device pool first, so it
+# counts for less than a device hit of the same length when pools are compared.
+HOST_HIT_WEIGHT = 0.75
+
+
+def weighted_prefix(match: PoolMatch) -> float:
+    device_tokens = match.num_cached_tokens - match.num_host_cached_tokens
+    return device_tokens + HOST_HIT_WEIGHT * match.num_host_cached_tokens
+
 
 def by_cached_prefix(matches: list[PoolMatch]) -> list[PoolMatch]:
-    """Longest cached prefix first; then lower load, then lower cache occupancy (a new
-    prefix spreads to the pool where it evicts least, instead of always the same one),
-    then pool id."""
-    return sorted(matches, key=lambda m: (-m.num_cached_tokens, m.load, m.occupancy, m.pool_id))
+    """Longest cached prefix first (host tier tokens weighed below device ones); then
+    lower load, then lower cache occupancy (a new prefix spreads to the pool where it
+    evicts least, instead of always the same one), then pool id."""
+    return sorted(matches, key=lambda m: (-weighted_prefix(m), m.load, m.occupancy, m.pool_id))
 
 
 def rank_for_route(matches: list[PoolMatch], load_margin: float) -> list[PoolMatch]:

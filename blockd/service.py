@@ -22,6 +22,7 @@ from blockd import messages
 from blockd.auth import BearerAuth, MissingCredentials, WrongCredentials
 from blockd.directory import BlockDirectory
 from blockd.types import (
+    HostSpec,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -139,9 +140,15 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             request.worker_address,
             PoolId(request.pool_id) or None,
             request.pool_token or None,
+            HostSpec(
+                request.num_host_blocks,
+                request.host_load_seconds_per_block,
+                request.prefill_seconds_per_token,
+            ),
         )
         log.info(
             "pool registered",
+            num_host_blocks=request.num_host_blocks,
             pool_id=reg.pool_id,
             epoch=reg.epoch,
             num_blocks=request.num_blocks,
@@ -174,6 +181,8 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
         reply = pb.StepResponse(
             num_free_blocks=result.num_free_blocks, num_evictable_blocks=result.num_evictable_blocks
         )
+        for block_id, host_block_id in result.demotions:
+            reply.demotions.add(block_id=block_id, host_block_id=host_block_id)
         for grow in result.grows:
             reply.grows.add(sequence_id=grow.sequence_id, grown=grow.grown, new_block_ids=grow.new_block_ids)
         for admit in result.admits:
@@ -182,6 +191,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
                 admitted=admit.admitted,
                 block_ids=admit.block_ids,
                 num_cached_tokens=admit.num_cached_tokens,
+                loads=[pb.BlockCopy(block_id=b, host_block_id=h) for b, h in admit.loads],
             )
         return reply
 
@@ -255,7 +265,13 @@ class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
     @unary
     async def Flush(self, request: pb.FlushRequest, context: grpc.aio.ServicerContext) -> pb.FlushResponse:
         self._auth.check(context.invocation_metadata())
-        result = self._directory.flush(PoolId(request.pool_id) or None, request.cache_salt or None)
+        if request.tier not in (pb.TIER_UNSPECIFIED, pb.TIER_DEVICE, pb.TIER_HOST, pb.TIER_SHARED):
+            raise InvalidArgument(f"tier must be one of the Tier values, got {request.tier}")
+        result = self._directory.flush(
+            PoolId(request.pool_id) or None,
+            request.cache_salt or None,
+            messages.TIERS_FROM.get(request.tier),
+        )
         log.info(
             "flush",
             pool_id=request.pool_id or None,
@@ -263,7 +279,11 @@ class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
             dropped=result.dropped,
             busy=result.busy,
         )
-        return pb.FlushResponse(dropped=result.dropped, busy=result.busy)
+        return pb.FlushResponse(
+            dropped=result.dropped,
+            busy=result.busy,
+            tiers=[pb.TierFlush(tier=messages.TIERS[t], dropped=d, busy=b) for t, d, b in result.tiers],
+        )
 
     @unary
     async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:

@@ -7,6 +7,7 @@ to status codes (the only place that knows about gRPC).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
@@ -16,6 +17,9 @@ BlockId = NewType("BlockId", int)
 
 BlockHash = NewType("BlockHash", bytes)
 """16-byte chained content hash of a full block (xxh3-128)."""
+
+HostBlockId = NewType("HostBlockId", int)
+"""Index of a block in one worker's host tier: 0 .. num_host_blocks - 1."""
 
 PoolId = NewType("PoolId", str)
 SequenceId = NewType("SequenceId", int)
@@ -50,6 +54,27 @@ class PermissionDenied(DirectoryError):
 
 
 # ---------------------------------------------------------------- inputs
+
+
+class Tier(enum.Enum):
+    """Where a block's K/V lives (the contract's Tier)."""
+
+    DEVICE = 1
+    HOST = 2
+    SHARED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class HostSpec:
+    """A pool's host tier as its worker declared it: its size and the worker's measured
+    costs (0.0: unknown, then a host hit is always loaded)."""
+
+    num_blocks: int = 0
+    load_seconds_per_block: float = 0.0
+    prefill_seconds_per_token: float = 0.0
+
+
+NO_HOST_TIER = HostSpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +145,9 @@ class AdmitResult:
     admitted: bool
     block_ids: tuple[BlockId, ...] = ()
     num_cached_tokens: int = 0
+    # Host tier hits to copy in first: (device block, host block), in table order,
+    # right after the device hits. Included in num_cached_tokens.
+    loads: tuple[tuple[BlockId, HostBlockId], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +163,9 @@ class StepResult:
     admits: tuple[AdmitResult, ...]
     num_free_blocks: int
     num_evictable_blocks: int
+    # Device blocks evicted by this step whose K/V the worker copies to the host tier
+    # before anything writes them: (device block, host block).
+    demotions: tuple[tuple[BlockId, HostBlockId], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +193,25 @@ class PoolStats:
     num_evictions: int
     num_admissions: int
     num_admissions_deferred: int
+    host: TierStats | None = None  # None: the pool has no host tier
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One lower tier of a pool: free + evictable + referenced == num_blocks."""
+
+    tier: Tier
+    num_blocks: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_referenced_blocks: int  # held by loads in flight
+    hit_tokens: int
+    num_demotions: int
+    num_loads: int
+    num_evictions: int
+    num_loads_skipped: int
+    load_seconds_per_block: float
+    recompute_seconds_per_block: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +260,7 @@ class PoolMatch:
     num_cached_tokens: int
     load: float  # share of the pool's blocks that are referenced, 0..1
     num_sequences: int
+    num_host_cached_tokens: int = 0  # the part of num_cached_tokens only in the host tier
     # Share of the pool's blocks holding cached content, 0..1: a new prefix goes where
     # it evicts the least (internal tie-break; not part of the wire message).
     occupancy: float = 0.0
@@ -227,8 +278,9 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class FlushResult:
-    dropped: int  # unreferenced cached blocks dropped (now free)
+    dropped: int  # unreferenced cached blocks dropped (now free), summed over tiers
     busy: int  # matching cached blocks still referenced; they stay until released
+    tiers: tuple[tuple[Tier, int, int], ...] = ()  # (tier, dropped, busy) per tier flushed
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,10 +24,12 @@ from blockd.hashing import block_width, token_bytes
 from blockd.pool import BlockPool, ResyncPlan
 from blockd.prompt import Prompt
 from blockd.types import (
+    NO_HOST_TIER,
     AdmitOp,
     BlockId,
     CommitOp,
     GrowOp,
+    HostSpec,
     InvalidArgument,
     Namespace,
     NotFound,
@@ -56,9 +58,20 @@ def check_registration(
     worker_address: str,
     pool_id: PoolId | None,
     pool_token: str | None = None,
+    host: HostSpec = NO_HOST_TIER,
 ) -> None:
     if not 1 <= num_blocks <= MAX_POOL_BLOCKS:
         raise InvalidArgument(f"num_blocks must be 1 .. {MAX_POOL_BLOCKS}, got {num_blocks}")
+    if not 0 <= host.num_blocks <= MAX_POOL_BLOCKS:
+        raise InvalidArgument(
+            f"num_host_blocks must be 0 (no host tier) .. {MAX_POOL_BLOCKS}, got {host.num_blocks}"
+        )
+    for name, cost in (
+        ("host_load_seconds_per_block", host.load_seconds_per_block),
+        ("prefill_seconds_per_token", host.prefill_seconds_per_token),
+    ):
+        if not (math.isfinite(cost) and cost >= 0.0):
+            raise InvalidArgument(f"{name} must be a finite number >= 0 (0: unknown), got {cost}")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise InvalidArgument(f"block_size must be 1 .. {MAX_BLOCK_SIZE}, got {block_size}")
     for name, value in (

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.hashing import DEFAULT_HASHER, BlockHasher
-from blockd.types import AdmitOp, AdmitResult, CommitOp, Namespace, ReleaseOp
+from blockd.types import NO_HOST_TIER, AdmitOp, AdmitResult, CommitOp, HostSpec, Namespace, ReleaseOp
 from tests.blockd.invariants import FakeClock, check_invariants
 
 NAMESPACE = Namespace("test-model", "rev-1", "float32", "")
@@ -59,9 +59,13 @@ class Harness:
 
 
 def harness(
-    num_blocks: int = 16, block_size: int = 4, hasher: BlockHasher = DEFAULT_HASHER, **config
+    num_blocks: int = 16,
+    block_size: int = 4,
+    hasher: BlockHasher = DEFAULT_HASHER,
+    host: HostSpec = NO_HOST_TIER,
+    **config,
 ) -> Harness:
     clock = FakeClock()
     directory = BlockDirectory(DirectoryConfig(**config), clock=clock, hasher=hasher)
-    reg = directory.register_pool(num_blocks, block_size, NAMESPACE, "worker-0:50052")
+    reg = directory.register_pool(num_blocks, block_size, NAMESPACE, "worker-0:50052", host=host)
     return Harness(directory, clock, reg.pool_id, reg.epoch, block_size)

@@ -124,6 +124,59 @@ def check_invariants(directory: BlockDirectory) -> None:
         )
         counters = pool.counters
         assert 0 <= counters.hit_tokens <= counters.queried_tokens
+        if pool.host is not None:
+            check_host_tier(pool)
+
+
+def check_host_tier(pool) -> None:
+    """The host tier's accounting, residency and leaf-first structure."""
+    host = pool.host
+    resident = {b.host_block_id: b for b in host.index.values()}
+    assert len(resident) == len(host.index), "two records share a host block"
+    free = host.free.free_ids()
+    assert not free & set(resident), "a host block is free and resident"
+    assert free | set(resident) == set(range(host.num_blocks)), "a host block leaked"
+    loading: Counter = Counter()
+    for sequence in pool.sequences.values():
+        for record in sequence.loading:
+            loading[id(record)] += 1
+            assert record.host_block_id is not None, "a load from a block the host tier lost"
+    evictable = [b for b in host.index.values() if b.host_refs == 0]
+    assert host.num_evictable == len(evictable)
+    assert len(free) + host.num_evictable + host.num_referenced == host.num_blocks
+    host_children: Counter = Counter()
+    for block_hash, block in host.index.items():
+        assert block.block_hash == block_hash and block.host_block_id is not None
+        assert block.host_refs == loading[id(block)], f"host_refs of {block} != loads in flight"
+        if block.is_cached:
+            assert pool.index.get(block_hash) is block
+            continue
+        assert block.ref_count == 0, f"host-only {block} is referenced"
+        parent = block.parent
+        if parent is not None:
+            assert (
+                pool.index.get(parent.block_hash) is parent or host.index.get(parent.block_hash) is parent
+            ), f"host-only {block} lost its parent (orphan)"
+            host_children[id(parent)] += 1
+    for block in list(pool.index.values()) + list(host.index.values()):
+        assert block.num_host_children == host_children[id(block)], f"host child count of {block}"
+    leaves = {id(b) for b in host.index.values() if b.is_host_leaf}
+    assert {id(b) for b in host.leaves.valid_blocks()} == leaves, "a host leaf is not in the heap"
+
+
+def _host_snapshot(pool) -> tuple:
+    host = pool.host
+    if host is None:
+        return ()
+    return (
+        tuple(
+            sorted(
+                (b.host_block_id, b.block_hash, b.host_refs, b.num_host_children) for b in host.index.values()
+            )
+        ),
+        tuple(sorted(host.free.free_ids())),
+        host.num_evictable,
+    )
 
 
 def snapshot(directory: BlockDirectory) -> tuple:
@@ -167,6 +220,7 @@ def snapshot(directory: BlockDirectory) -> tuple:
                 pool.num_evictable,
                 pool.num_referenced,
                 pool.num_pinned,
+                _host_snapshot(pool),
                 tuple(sorted(vars(pool.counters).items())),
             )
         )

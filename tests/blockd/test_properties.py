@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.hashing import BlockHasher
-from blockd.types import AdmitOp, CommitOp, DirectoryError, GrowOp, ReleaseOp, ResyncSequence
+from blockd.types import AdmitOp, CommitOp, DirectoryError, GrowOp, HostSpec, ReleaseOp, ResyncSequence, Tier
 from tests.blockd.helpers import NAMESPACE
 from tests.blockd.invariants import FakeClock, check_invariants, holders_of, snapshot
 
@@ -62,18 +62,24 @@ class WorkerSequence:
 
 class DirectoryMachine(RuleBasedStateMachine):
     hasher = BlockHasher()
+    host_spec = HostSpec()  # no host tier
+    demote_min_hits = 0
 
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
         self.config = DirectoryConfig(
-            max_sequence_tokens=MAX_TOKENS, lease_ttl_seconds=LEASE_TTL, event_log_capacity=64
+            max_sequence_tokens=MAX_TOKENS,
+            lease_ttl_seconds=LEASE_TTL,
+            event_log_capacity=64,
+            demote_min_hits=self.demote_min_hits,
         )
         self.directory = BlockDirectory(self.config, clock=self.clock, hasher=self.hasher)
-        reg = self.directory.register_pool(NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1")
+        reg = self.directory.register_pool(NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", host=self.host_spec)
         self.pool_id, self.epoch = reg.pool_id, reg.epoch
         self.live: dict[int, WorkerSequence] = {}
         self.kv: dict[int, tuple] = {}  # physical block -> what the worker wrote into it
+        self.host_kv: dict[int, tuple] = {}  # host tier block -> what the worker copied there
         self.pins: list[str] = []  # in creation order: pin ids are random, draws must not be
         self.next_id = 1
         self.history: list[tuple[list[int], str, int]] = []
@@ -83,7 +89,10 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     def step(self, **ops):
         self.num_steps += 1
-        return self.directory.step(self.pool_id, self.epoch, **ops)
+        result = self.directory.step(self.pool_id, self.epoch, **ops)
+        for block_id, host_block_id in result.demotions:  # the worker copies before any write
+            self.host_kv[host_block_id] = self.kv.get(block_id)
+        return result
 
     def held_by_others(self, sequence_id: int | None) -> set[int]:
         held = {b for sid, seq in self.live.items() if sid != sequence_id for b in seq.table}
@@ -137,12 +146,16 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert result.num_cached_tokens == expected, "admit and lookup disagree"
         assert len(result.block_ids) == -(-len(tokens) // BLOCK_SIZE)
         num_hits = result.num_cached_tokens // BLOCK_SIZE
+        num_device_hits = num_hits - len(result.loads)
+        assert [b for b, _ in result.loads] == list(result.block_ids[num_device_hits:num_hits])
+        for block_id, host_block_id in result.loads:  # the worker copies before its forward
+            self.kv[block_id] = self.host_kv.get(host_block_id)
         for i in range(num_hits):  # every hit holds exactly the K/V this prompt needs
             assert self.kv.get(result.block_ids[i]) == kv_key(tokens, i, salt, public), "wrong KV served"
-        fresh = set(result.block_ids[num_hits:])
+        fresh = set(result.block_ids[num_device_hits:])
         assert not fresh & others, "a block held by someone else was handed out"
         self.live[sequence_id] = seq = WorkerSequence(
-            list(tokens), salt, public, list(result.block_ids), result.num_cached_tokens
+            list(tokens), salt, public, list(result.block_ids), num_device_hits * BLOCK_SIZE
         )
         if prefill and len(tokens) // BLOCK_SIZE > seq.num_committed:
             self.commit_next(sequence_id, len(tokens) // BLOCK_SIZE - seq.num_committed)
@@ -228,9 +241,9 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts, salt=salts, public=publics)
     def pin(self, tokens, salt, public):
-        cached = self.directory.lookup(tokens, salt, public, self.pool_id)[0].num_cached_tokens
+        match = self.directory.lookup(tokens, salt, public, self.pool_id)[0]
         result = self.directory.pin(tokens, salt, public, ttl_seconds=5)
-        assert result.num_pinned_tokens == cached
+        assert result.num_pinned_tokens == match.num_cached_tokens - match.num_host_cached_tokens
         self.pins.append(result.pin_id)
 
     @precondition(lambda self: self.pins)
@@ -240,14 +253,24 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.directory.unpin(pin_id)
         self.pins.remove(pin_id)
 
-    @rule(salt=st.sampled_from([None, "a", "b"]))
-    def flush(self, salt):
+    @rule(salt=st.sampled_from([None, "a", "b"]), tier=st.sampled_from([None, Tier.DEVICE, Tier.HOST]))
+    def flush(self, salt, tier):
         pool = self.directory._slots[self.pool_id].pool
         matching = [b for b in pool.index.values() if salt is None or b.chain_salt == salt]
-        result = self.directory.flush(cache_salt=salt)
-        assert result.dropped + result.busy == len(matching)
-        assert result.busy == sum(1 for b in matching if b.ref_count)
-        assert not any(b.ref_count == 0 for b in pool.index.values() if salt is None or b.chain_salt == salt)
+        result = self.directory.flush(cache_salt=salt, tier=tier)
+        rows = {row[0]: row[1:] for row in result.tiers}
+        assert result.dropped == sum(d for d, _ in rows.values())
+        if tier in (None, Tier.DEVICE):
+            dropped, busy = rows[Tier.DEVICE]
+            assert dropped + busy == len(matching)
+            assert busy == sum(1 for b in matching if b.ref_count)
+            assert not any(
+                b.ref_count == 0 for b in pool.index.values() if salt is None or b.chain_salt == salt
+            )
+        if pool.host is not None and tier in (None, Tier.HOST):
+            left = [b for b in pool.host.index.values() if salt is None or b.chain_salt == salt]
+            assert rows[Tier.HOST][1] == len(left), "busy host blocks are the ones left"
+            assert all(b.host_refs or b.num_host_children for b in left)
 
     @rule(seconds=st.sampled_from([1.0, 3.0, 6.0]))
     def time_passes(self, seconds):
@@ -270,7 +293,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         with pytest.raises(DirectoryError):
             self.directory.renew_lease(self.pool_id, old_epoch)
         self.live.clear()  # pins survive, holding nothing in this pool any more
-        reg = self.directory.register_pool(NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id)
+        reg = self.directory.register_pool(
+            NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id, host=self.host_spec
+        )
         assert reg.epoch > old_epoch
         self.epoch = reg.epoch
         self.num_steps = 0
@@ -283,7 +308,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         if restart_blockd:
             self.directory = BlockDirectory(self.config, clock=self.clock, hasher=self.hasher)
             self.pins.clear()
-        reg = self.directory.register_pool(NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id)
+        reg = self.directory.register_pool(
+            NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id, host=self.host_spec
+        )
         self.epoch = reg.epoch
         declared = []
         for sequence_id, seq in sorted(self.live.items()):
@@ -322,6 +349,15 @@ class DirectoryMachine(RuleBasedStateMachine):
             salted = block.chain_salt or ""
             assert self.kv.get(block.block_id) == (tuple(tokens), salted), "index points at other content"
             assert depth == len(tokens) // BLOCK_SIZE - 1
+        if pool.host is None:
+            return
+        for block in pool.host.index.values():
+            tokens, node = [], block
+            while node is not None:
+                tokens[:0] = list(memoryview(node.token_bytes).cast("I"))
+                node = node.parent
+            expected = (tuple(tokens), block.chain_salt or "")
+            assert self.host_kv.get(block.host_block_id) == expected, "host tier holds other content"
 
 
 class CollidingDirectoryMachine(DirectoryMachine):
@@ -336,6 +372,27 @@ class BlindDirectoryMachine(DirectoryMachine):
     where only the parent and salt checks prevent wrong K/V."""
 
     hasher = BlockHasher(digest=lambda data: xxhash.xxh3_128_digest(data[-BLOCK_SIZE * 4 :]))
+
+
+class TieredDirectoryMachine(DirectoryMachine):
+    """A host tier half the device pool's size: evictions demote, admissions load."""
+
+    host_spec = HostSpec(NUM_BLOCKS // 2)
+
+
+class TieredSeenTwiceMachine(DirectoryMachine):
+    """Only blocks hit before are demoted (and their parents, which children need)."""
+
+    host_spec = HostSpec(NUM_BLOCKS // 2)
+    demote_min_hits = 1
+
+
+class TieredCollidingMachine(TieredDirectoryMachine):
+    hasher = CollidingDirectoryMachine.hasher
+
+
+class TieredBlindMachine(TieredDirectoryMachine):
+    hasher = BlindDirectoryMachine.hasher
 
 
 _fast = settings(
@@ -358,6 +415,11 @@ _slow = (pytest.mark.slow, pytest.mark.timeout(3 * 3600))
 TestDirectoryMachine = _test_case(DirectoryMachine, _fast)
 TestCollidingDirectoryMachine = _test_case(CollidingDirectoryMachine, _fast)
 TestBlindDirectoryMachine = _test_case(BlindDirectoryMachine, _fast)
+TestTieredDirectoryMachine = _test_case(TieredDirectoryMachine, _fast)
+TestTieredSeenTwiceMachine = _test_case(TieredSeenTwiceMachine, _fast)
+TestTieredCollidingMachine = _test_case(TieredCollidingMachine, _fast)
+TestTieredBlindMachine = _test_case(TieredBlindMachine, _fast)
 TestLongDirectoryMachine = _test_case(DirectoryMachine, _long, *_slow)
+TestLongTieredDirectoryMachine = _test_case(TieredDirectoryMachine, _long, *_slow)
 TestLongCollidingDirectoryMachine = _test_case(CollidingDirectoryMachine, _long, *_slow)
 TestLongBlindDirectoryMachine = _test_case(BlindDirectoryMachine, _long, *_slow)
