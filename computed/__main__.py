@@ -74,6 +74,15 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         help="KV pool bytes on CPU when --num-blocks is not given [env COMPUTED_KV_CACHE_MEMORY]",
     )
     p.add_argument(
+        "--host-kv-memory",
+        type=int,
+        metavar="BYTES",
+        default=_env("COMPUTED_HOST_KV_MEMORY"),
+        help="host tier bytes: evicted KV is demoted there and loaded back on a hit; 0 disables it "
+        "(default: on CUDA twice the device pool, at most half the free host memory; on CPU 0) "
+        "[env COMPUTED_HOST_KV_MEMORY]",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=float(_env("COMPUTED_GPU_MEMORY_UTILIZATION", "0.9")),
@@ -163,6 +172,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             block_size=a.block_size,
             num_blocks=int(a.num_blocks) if a.num_blocks is not None else None,
             kv_cache_memory_bytes=a.kv_cache_memory,
+            host_kv_memory_bytes=int(a.host_kv_memory) if a.host_kv_memory is not None else None,
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,

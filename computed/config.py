@@ -29,6 +29,11 @@ class ComputedConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     gpu_memory_utilization: float = 0.9
+    # The host tier (a second KV store in host memory, pinned on CUDA) in bytes; 0
+    # disables it. None: on CUDA twice the device pool, at most half the host memory
+    # available at start; on CPU none (the device pool is host memory already: a
+    # bigger --kv-cache-memory serves better than the same bytes behind a copy).
+    host_kv_memory_bytes: int | None = None
     max_num_seqs: int = 64
     # Model tokens per step (only uncached tokens are charged); longer prompts are
     # prefilled in chunks.
@@ -67,6 +72,10 @@ class ComputedConfig:
             raise ValueError(f"--num-blocks must be in 1..16777216, got {self.num_blocks}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("--kv-cache-memory must be positive")
+        if self.host_kv_memory_bytes is not None and self.host_kv_memory_bytes < 0:
+            raise ValueError(
+                f"--host-kv-memory must be >= 0 bytes (0 disables the host tier), got {self.host_kv_memory_bytes}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -41,6 +41,10 @@ class PoolSpec:
     model_revision: str
     dtype: str
     worker_address: str
+    # The host tier (0: none) and the measured costs behind blockd's load decisions.
+    num_host_blocks: int = 0
+    host_load_seconds_per_block: float = 0.0
+    prefill_seconds_per_token: float = 0.0
 
 
 @dataclass
@@ -94,6 +98,9 @@ class DirectoryClient:
             worker_address=spec.worker_address,
             pool_id=self.lease.pool_id if self.lease else "",
             pool_token=self.lease.pool_token if self.lease else "",
+            num_host_blocks=spec.num_host_blocks,
+            host_load_seconds_per_block=spec.host_load_seconds_per_block,
+            prefill_seconds_per_token=spec.prefill_seconds_per_token,
         )
         reply = await self._call(self._stub.RegisterPool, request)
         self.lease = PoolLease(reply.pool_id, reply.epoch, reply.lease_ttl_seconds, reply.pool_token)
@@ -135,11 +142,18 @@ class DirectoryClient:
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
             admits=[
-                AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                AdmitResult(
+                    a.sequence_id,
+                    a.admitted,
+                    list(a.block_ids),
+                    a.num_cached_tokens,
+                    [(c.block_id, c.host_block_id) for c in a.loads],
+                )
                 for a in reply.admits
             ],
             num_free_blocks=reply.num_free_blocks,
             num_evictable_blocks=reply.num_evictable_blocks,
+            demotions=[(c.block_id, c.host_block_id) for c in reply.demotions],
         )
 
     async def resync(self, sequences: list[ResyncSequence]) -> None:

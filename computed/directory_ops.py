@@ -62,6 +62,9 @@ class AdmitResult:
     admitted: bool
     block_ids: list[BlockId]
     num_cached_tokens: int
+    # Host tier hits to copy in before the forward: (device block, host block); they
+    # follow the device hits in block_ids and count in num_cached_tokens.
+    loads: list[tuple[BlockId, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class DirectoryResult:
     admits: list[AdmitResult] = field(default_factory=list)
     num_free_blocks: int | None = None
     num_evictable_blocks: int | None = None
+    # Device blocks to copy to the host tier before anything writes them.
+    demotions: list[tuple[BlockId, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

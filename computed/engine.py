@@ -44,6 +44,7 @@ class Usage:
     time_to_first_token_seconds: float
     total_time_seconds: float
     num_preemptions: int
+    host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class EngineStats:
     directory_wait_seconds: float = 0.0  # engine time blocked on blockd
     busy_seconds: float = 0.0  # wall time of iterations that had work
     num_recoveries: int = 0
+    num_blocks_copied: int = 0  # host tier demotions + loads
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -223,6 +225,7 @@ class Engine:
             if result is None:
                 return False
             self.scheduler.apply_result(ops, result)
+            await self._copy_blocks()
             chunks = self.scheduler.schedule()
             if chunks:
                 await self._forward(chunks)
@@ -237,7 +240,16 @@ class Engine:
             self.stats.directory_wait_seconds += time.monotonic() - started
             if result is not None:
                 self.scheduler.apply_result(ops, result)
+                await self._copy_blocks()
         return bool(chunks) or not ops.is_empty
+
+    async def _copy_blocks(self) -> None:
+        """The host tier copies blockd's answer owes, in the forward thread (they touch
+        the pool), before the next forward and before the next Step can reuse blocks."""
+        plan = self.scheduler.take_copies()
+        if plan:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.copy_blocks, plan)
+            self.stats.num_blocks_copied += len(plan.demotions) + len(plan.loads)
 
     async def _step(self, ops: DirectoryOps) -> DirectoryResult | None:
         try:
@@ -312,6 +324,7 @@ class Engine:
             time_to_first_token_seconds=(req.first_token_at or now) - req.arrival,
             total_time_seconds=now - req.arrival,
             num_preemptions=seq.num_preemptions,
+            host_cached_tokens=seq.num_host_cached_tokens,
         )
         tail = req.output.finish(stopped=stopped or reason == "cancelled")
         req.queue.put_nowait(GenerationChunk([], tail, reason, usage))

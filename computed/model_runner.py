@@ -7,11 +7,13 @@ through the paged pool and samples one token per chunk that asked for one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from computed.attention import AttentionBatch, SpanInput
+from computed.host_kv import CopyPlan, HostKV
 from computed.kv_pool import KVPool
 from computed.sampling import make_generator, sample
 from computed.scheduler import ScheduledChunk
@@ -32,13 +34,42 @@ class ForwardInput:
 class ModelRunner:
     """Owns the model, the KV pool and each sequence's sampling generator."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        block_size: int,
+        device: torch.device,
+        host: HostKV | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
+        self.host = host
         self.block_size = block_size
         self.device = device
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
+
+    def copy_blocks(self, plan: CopyPlan) -> None:
+        """Run a Step answer's host tier copies (blockd only asks with a host tier)."""
+        assert self.host is not None, "blockd asked for host tier copies, but this worker has none"
+        self.host.apply(plan)
+
+    def measure_prefill_seconds_per_token(self, num_tokens: int = 256) -> float:
+        """Seconds of prefill per token, from a warm prefill into blocks nobody holds yet
+        (call before registering with blockd: the pool is empty then)."""
+        num_tokens = max(1, min(num_tokens, self.pool.num_blocks * self.block_size))
+        table = list(range(-(-num_tokens // self.block_size)))
+        span = SpanInput(block_table=table, num_computed_tokens=0, num_new_tokens=num_tokens, write_kv=True)
+        inp = ForwardInput([0] * num_tokens, [span], [], [], [], [], 1)
+        best = float("inf")
+        for _ in range(2):  # the first run warms up kernels and allocations
+            started = time.perf_counter()
+            self.run(inp)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - started)
+        return best / num_tokens
 
     def add_sequence(self, sequence_id: SequenceId, seed: int | None) -> None:
         self._seeds[sequence_id] = seed

@@ -17,6 +17,7 @@ from computed.directory_ops import (
     GrowOp,
     ResyncSequence,
 )
+from computed.host_kv import CopyPlan
 from computed.prefix_wait import PrefixLeaders
 from computed.sequence import Sequence, SequenceId, SequenceStatus
 
@@ -83,6 +84,8 @@ class Scheduler:
         self._pending_releases: list[SequenceId] = []
         # Free + evictable blocks as blockd last reported them (None: unknown yet).
         self._num_available_blocks: int | None = None
+        # Host tier copies blockd's answers asked for, not yet run (see take_copies).
+        self._copies = CopyPlan()
 
     # ------------------------------------------------------------------ queues
 
@@ -174,6 +177,7 @@ class Scheduler:
         """Take blockd's answer: admitted sequences start running; failed grows preempt."""
         if result.num_free_blocks is not None:
             self._num_available_blocks = result.num_free_blocks + (result.num_evictable_blocks or 0)
+        self._copies.demotions.extend(result.demotions)
         by_id = {seq.sequence_id: seq for seq in self.running}
         urgent = {g.sequence_id for g in ops.grows if g.is_urgent}
         starved: list[Sequence] = []
@@ -195,12 +199,19 @@ class Scheduler:
             if not outcome.admitted:
                 refused.append(seq)
                 continue
-            self._start(seq, outcome.block_ids, outcome.num_cached_tokens)
+            self._copies.loads.extend(outcome.loads)
+            self._start(seq, outcome.block_ids, outcome.num_cached_tokens, len(outcome.loads))
         # Refused admissions keep their place at the front, in order.
         self.waiting.extendleft(reversed(refused))
         for seq in starved:
             if seq.status is SequenceStatus.RUNNING:
                 self._preempt_for(seq)
+
+    def take_copies(self) -> CopyPlan:
+        """The copies the answers applied so far owe: the engine runs them before the next
+        forward (demotions before loads). Empty without a host tier."""
+        plan, self._copies = self._copies, CopyPlan()
+        return plan
 
     def on_step_failed(self, ops: DirectoryOps) -> None:
         """blockd never answered: admissions go back to waiting; resync covers the rest."""
@@ -242,14 +253,19 @@ class Scheduler:
         for seq in self.running:
             seq.num_committed_blocks = seq.num_full_blocks()
 
-    def _start(self, seq: Sequence, block_ids: list[int], num_cached_tokens: int) -> None:
-        assert len(block_ids) * self.config.block_size >= seq.num_tokens, "table must cover prompt"
+    def _start(self, seq: Sequence, block_ids: list[int], num_cached_tokens: int, num_loads: int = 0) -> None:
+        """Run an admitted sequence. Its `num_loads` blocks after the device hits are
+        copied in from the host tier before the next forward: computed, not committed
+        yet (the commit after that forward makes them findable)."""
+        bs = self.config.block_size
+        assert len(block_ids) * bs >= seq.num_tokens, "table must cover prompt"
         seq.status = SequenceStatus.RUNNING
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = num_cached_tokens
-        seq.num_committed_blocks = num_cached_tokens // self.config.block_size
+        seq.num_committed_blocks = num_cached_tokens // bs - num_loads
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+            seq.num_host_cached_tokens = min(num_loads * bs, seq.num_cached_tokens)
         self.running.append(seq)
 
     def _preempt_for(self, starved: Sequence) -> None:

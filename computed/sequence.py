@@ -74,8 +74,10 @@ class Sequence:
     block_table: list[BlockId] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_committed_blocks: int = 0
-    # Prompt tokens served from cache at the first admission (what usage reports).
+    # Prompt tokens served from cache at the first admission (what usage reports), and
+    # the part of them copied in from the host tier.
     num_cached_tokens: int | None = None
+    num_host_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
 

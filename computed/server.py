@@ -18,6 +18,7 @@ from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec
 from computed.engine import Engine
 from computed.host_allocator import keep_large_buffers
+from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
 from computed.logs import configure_logging
 from computed.metrics import Histograms, serve_metrics
@@ -82,6 +83,19 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
     pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+    host = _host_tier(config, pool)
+    runner = ModelRunner(loaded.model, pool, config.block_size, device, host)
+    load_seconds = prefill_seconds = 0.0
+    if host is not None:  # measured before registering: no block is held yet
+        load_seconds = host.measure_load_seconds_per_block()
+        prefill_seconds = runner.measure_prefill_seconds_per_token()
+        log.info(
+            "host_tier",
+            num_host_blocks=host.num_blocks,
+            bytes=host.num_bytes,
+            load_seconds_per_block=load_seconds,
+            recompute_seconds_per_block=prefill_seconds * config.block_size,
+        )
     log.info(
         "model_loaded",
         model=loaded.model_id,
@@ -111,6 +125,9 @@ def build_server(config: ComputedConfig) -> ComputedServer:
             model_revision=loaded.revision,
             dtype=dtype_name,
             worker_address=config.worker_address or address,
+            num_host_blocks=host.num_blocks if host is not None else 0,
+            host_load_seconds_per_block=load_seconds,
+            prefill_seconds_per_token=prefill_seconds,
         ),
         credentials=_blockd_credentials(config),
         worker_token=config.worker_token,
@@ -129,7 +146,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     registry = CollectorRegistry()
     engine = Engine(
         scheduler,
-        ModelRunner(loaded.model, pool, config.block_size, device),
+        runner,
         directory,
         Histograms(registry) if config.metrics_port is not None else None,
     )
@@ -201,6 +218,25 @@ def _size_pool(config: ComputedConfig, mc, dtype: torch.dtype, device: torch.dev
     return KVPool.num_blocks_for_budget(
         config.kv_cache_memory_bytes, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
     )
+
+
+def _host_tier(config: ComputedConfig, pool: KVPool) -> HostKV | None:
+    """The host tier --host-kv-memory asks for (see ComputedConfig for the default)."""
+    per_block = pool.num_bytes // pool.num_blocks
+    budget = config.host_kv_memory_bytes
+    if budget is None:
+        if pool.device.type != "cuda":
+            return None
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(2 * pool.num_bytes, available // 2)
+    if budget == 0:
+        return None
+    if budget < per_block:
+        raise SystemExit(
+            f"computed: --host-kv-memory {budget} is less than one KV block ({per_block} bytes); "
+            f"give at least {per_block}, or 0 to run without a host tier"
+        )
+    return HostKV(pool, budget // per_block)
 
 
 def _bind(server: grpc.aio.Server, config: ComputedConfig) -> str:

@@ -238,6 +238,7 @@ def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResp
                 time_to_first_token_seconds=u.time_to_first_token_seconds,
                 total_time_seconds=u.total_time_seconds,
                 num_preemptions=u.num_preemptions,
+                host_cached_tokens=u.host_cached_tokens,
             )
         )
     return response

@@ -33,8 +33,10 @@ class InProcessDirectory:
         num_blocks: int,
         block_size: int,
         namespace: bt.Namespace | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         self.directory = directory
+        self.host = bt.HostSpec(num_host_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.namespace = namespace or bt.Namespace("test-model")
@@ -71,11 +73,12 @@ class InProcessDirectory:
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in result.grows],
             admits=[
-                AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens)
+                AdmitResult(a.sequence_id, a.admitted, list(a.block_ids), a.num_cached_tokens, list(a.loads))
                 for a in result.admits
             ],
             num_free_blocks=result.num_free_blocks,
             num_evictable_blocks=result.num_evictable_blocks,
+            demotions=list(result.demotions),
         )
 
     async def recover(self, sequences: list[ResyncSequence], stopping: asyncio.Event | None = None) -> None:
@@ -85,6 +88,7 @@ class InProcessDirectory:
             self.namespace,
             "in-process",
             bt.PoolId(self.lease.pool_id) if self.lease else None,
+            host=self.host,
         )
         self.lease = Lease(reg.pool_id, reg.epoch)
         self.directory.resync(

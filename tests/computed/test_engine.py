@@ -15,6 +15,7 @@ import torch
 
 from blockd.directory import BlockDirectory
 from computed.engine import Engine, GenerationChunk
+from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
 from computed.model import load_model
 from computed.model_runner import ModelRunner
@@ -38,17 +39,20 @@ class SilentDecoder:
         return ""
 
 
-def build(tiny_models: TinyModels) -> tuple[Engine, InProcessDirectory]:
+def build(
+    tiny_models: TinyModels, num_blocks: int = NUM_BLOCKS, num_host_blocks: int = 0
+) -> tuple[Engine, InProcessDirectory]:
     loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
     c = loaded.config
     pool = KVPool(
-        c.num_layers, NUM_BLOCKS, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu")
+        c.num_layers, num_blocks, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu")
     )
-    runner = ModelRunner(loaded.model, pool, BLOCK, torch.device("cpu"))
+    host = HostKV(pool, num_host_blocks) if num_host_blocks else None
+    runner = ModelRunner(loaded.model, pool, BLOCK, torch.device("cpu"), host)
     scheduler = Scheduler(
-        SchedulerConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=256), eos_token_ids=()
+        SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, max_model_len=256), eos_token_ids=()
     )
-    directory = InProcessDirectory(BlockDirectory(), NUM_BLOCKS, BLOCK)
+    directory = InProcessDirectory(BlockDirectory(), num_blocks, BLOCK, num_host_blocks=num_host_blocks)
     return Engine(scheduler, runner, directory), directory
 
 
@@ -99,6 +103,36 @@ def test_second_identical_prompt_is_served_from_cache(tiny_models: TinyModels) -
         assert token_ids(warm) == token_ids(cold), "the cached prefix changed the greedy tokens"
         assert num_referenced_blocks(directory) == 0
         assert engine.stats.num_prefill_tokens < 2 * len(PROMPT), "the warm prompt was recomputed"
+
+    asyncio.run(run())
+
+
+def test_a_prefix_evicted_to_the_host_tier_comes_back_with_the_same_tokens(tiny_models: TinyModels) -> None:
+    other = [301 + 5 * i % 200 for i in range(26)]  # needs every device block: evicts PROMPT's
+
+    async def run() -> None:
+        engine, directory = build(tiny_models, num_blocks=8, num_host_blocks=16)
+        await engine.start()
+        try:
+            cold = await generate(engine, PROMPT, max_tokens=6)
+            await settle(engine)
+            await generate(engine, other, max_tokens=4)
+            await settle(engine)
+            assert directory.directory.lookup(PROMPT)[0].num_host_cached_tokens == 16, (
+                "PROMPT was not demoted"
+            )
+            warm = await generate(engine, PROMPT, max_tokens=6)
+            await settle(engine)
+        finally:
+            await engine.stop(drain_seconds=1)
+        assert warm[-1].usage.cached_tokens == 16 and warm[-1].usage.host_cached_tokens == 16
+        assert token_ids(warm) == token_ids(cold), "the host tier changed the greedy tokens"
+        host = directory.directory.stats().total.host
+        assert host.num_loads == 4 and host.num_demotions >= 4 and host.num_referenced_blocks == 0
+        assert num_referenced_blocks(directory) == 0
+        # Loaded blocks were committed after the copy: findable in the device pool again.
+        match = directory.directory.lookup(PROMPT)[0]
+        assert (match.num_cached_tokens, match.num_host_cached_tokens) == (16, 0)
 
     asyncio.run(run())
 
