@@ -175,9 +175,15 @@ class AsyncBlockdClient:
         )
 
     async def flush(
-        self, *, pool_id: str | None = None, cache_salt: str | None = None, timeout: float | None = None
+        self,
+        *,
+        pool_id: str | None = None,
+        cache_salt: str | None = None,
+        tier: str | None = None,
+        timeout: float | None = None,
     ) -> FlushResult:
-        return await self._endpoint.call(core.flush(pool_id, cache_salt, timeout))
+        """Drop unreferenced cached blocks of every tier, or of `tier` ("device", "host")."""
+        return await self._endpoint.call(core.flush(pool_id, cache_salt, timeout, tier))
 
     async def pin(
         self,

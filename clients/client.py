@@ -180,9 +180,15 @@ class BlockdClient:
         return self._endpoint.call(core.lookup(token_ids, cache_salt, public_prefix_tokens, pool_id, timeout))
 
     def flush(
-        self, *, pool_id: str | None = None, cache_salt: str | None = None, timeout: float | None = None
+        self,
+        *,
+        pool_id: str | None = None,
+        cache_salt: str | None = None,
+        tier: str | None = None,
+        timeout: float | None = None,
     ) -> FlushResult:
-        return self._endpoint.call(core.flush(pool_id, cache_salt, timeout))
+        """Drop unreferenced cached blocks of every tier, or of `tier` ("device", "host")."""
+        return self._endpoint.call(core.flush(pool_id, cache_salt, timeout, tier))
 
     def pin(
         self,

@@ -27,6 +27,8 @@ from clients.errors import KVCacheError
 from clients.options import NO_RETRY, ClientOptions, RetryPolicy
 from clients.requests import MessageLike, Prompt, SamplingParams
 from clients.types import (
+    TIER_NAMES,
+    TIERS_BY_NAME,
     BlockEvent,
     BlockInfo,
     FlushResult,
@@ -169,11 +171,23 @@ def lookup(
     return _admin("Lookup", request, lambda reply: [PoolMatch.from_proto(m) for m in reply.matches], timeout)
 
 
-def flush(pool_id: str | None, cache_salt: str | None, timeout: float | None) -> Call[FlushResult]:
-    request = directory_pb2.FlushRequest(pool_id=pool_id or "", cache_salt=cache_salt or "")
-    return _admin(
-        "Flush", request, lambda reply: FlushResult(dropped=reply.dropped, busy=reply.busy), timeout
+def flush(
+    pool_id: str | None, cache_salt: str | None, timeout: float | None, tier: str | None = None
+) -> Call[FlushResult]:
+    """tier: "device" or "host" flushes one tier; None every tier."""
+    if tier is not None and tier not in TIERS_BY_NAME:
+        raise ValueError(
+            f"tier must be one of {sorted(TIERS_BY_NAME)} (or None for every tier), got {tier!r}"
+        )
+    request = directory_pb2.FlushRequest(
+        pool_id=pool_id or "", cache_salt=cache_salt or "", tier=TIERS_BY_NAME[tier] if tier else 0
     )
+
+    def answer(reply: directory_pb2.FlushResponse) -> FlushResult:
+        tiers = {TIER_NAMES.get(t.tier, "unspecified"): (t.dropped, t.busy) for t in reply.tiers}
+        return FlushResult(dropped=reply.dropped, busy=reply.busy, tiers=tiers)
+
+    return _admin("Flush", request, answer, timeout)
 
 
 def pin(

@@ -575,15 +575,25 @@ def lookup(session: Session, as_json: bool, pool: str | None, **prompt_args: Any
 @command("flush")
 @click.option("--pool", help="Only this pool.")
 @click.option("--salt", help="Only blocks whose chain carries this cache salt.")
-def flush(session: Session, as_json: bool, pool: str | None, salt: str | None) -> None:
+@click.option("--tier", type=click.Choice(["device", "host"]), help="Only this tier (default: every tier).")
+def flush(session: Session, as_json: bool, pool: str | None, salt: str | None, tier: str | None) -> None:
     """Drop every unreferenced cached block; referenced ones are reported busy."""
-    result = session.client.blockd.flush(pool_id=pool, cache_salt=salt)
+    result = session.client.blockd.flush(pool_id=pool, cache_salt=salt, tier=tier)
+    tiered = set(result.tiers) - {"device"}  # without lower tiers, the output stays as it was
     if as_json:
-        session.emit_json(to_dict(result))
+        answer = {"dropped": result.dropped, "busy": result.busy}
+        session.emit_json({**answer, "tiers": result.tiers} if tiered else answer)
         return
+    per_tier = (
+        ""
+        if not tiered
+        else "".join(
+            f"; {name}: {dropped:,} dropped, {busy:,} busy" for name, (dropped, busy) in result.tiers.items()
+        )
+    )
     session.out.print(
         f"flushed: dropped {render.plural(result.dropped, 'cached block')}; "
-        f"{result.busy:,} busy (still referenced, left in place)"
+        f"{result.busy:,} busy (still referenced, left in place){per_tier}"
     )
 
 

@@ -18,7 +18,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from clients.prefix_tree import PrefixNode
-from clients.types import BlockInfo, Completion, PinResult, PoolInfo, PoolMatch, PoolStats, Stats
+from clients.types import BlockInfo, Completion, PinResult, PoolInfo, PoolMatch, PoolStats, Stats, TierStats
 
 _PREVIEW_CHARS = 60
 _PREVIEW_TOKENS = 12
@@ -98,13 +98,27 @@ def stats_table(stats: Stats) -> Table:
     for pool in stats.pools:
         table.add_column(Text(pool.pool_id or "?"), justify="right", overflow="fold")
     for field in dataclasses.fields(PoolStats):
-        if field.name == "pool_id":
+        if field.name in ("pool_id", "host"):
             continue
         table.add_row(field.name, *(f"{getattr(s, field.name):,}" for s in columns))
     table.add_row(
         "hit rate (tokens)", *(percent(s.hit_tokens, s.queried_tokens) for s in columns), style="green"
     )
+    if any(s.host is not None for s in columns):
+        for field in dataclasses.fields(TierStats):
+            if field.name == "tier":
+                continue
+            table.add_row(
+                f"host {field.name}", *(_tier_cell(s.host, field.name) for s in columns), style="cyan"
+            )
     return table
+
+
+def _tier_cell(tier: TierStats | None, name: str) -> str:
+    if tier is None:
+        return "-"
+    value = getattr(tier, name)
+    return f"{value * 1e6:,.1f} µs" if isinstance(value, float) else f"{value:,}"
 
 
 def pools_table(pools: Sequence[PoolInfo]) -> Table:
@@ -157,14 +171,15 @@ def lookup_table(matches: Sequence[PoolMatch], num_tokens: int) -> Table:
     table = Table(title=f"cached prefix of a {num_tokens}-token prompt")
     add_columns(
         table,
-        ("pool", "worker", "cached tokens", "share", "load", "sequences"),
-        right=("cached tokens", "share", "load", "sequences"),
+        ("pool", "worker", "cached tokens", "of them in host tier", "share", "load", "sequences"),
+        right=("cached tokens", "of them in host tier", "share", "load", "sequences"),
     )
     for m in matches:
         table.add_row(
             Text(m.pool_id),
             Text(m.worker_address or "-"),
             str(m.num_cached_tokens),
+            str(m.num_host_cached_tokens),
             percent(m.num_cached_tokens, num_tokens),
             f"{100 * m.load:.0f}%",
             str(m.num_sequences),

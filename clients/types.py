@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.v1 import directory_pb2, generation_pb2
@@ -59,6 +59,7 @@ class Usage:
     time_to_first_token_seconds: float
     total_time_seconds: float
     num_preemptions: int
+    host_cached_tokens: int = 0  # the part of cached_tokens copied in from the host tier
 
     @classmethod
     def from_proto(cls, m: generation_pb2.Usage) -> Usage:
@@ -69,6 +70,7 @@ class Usage:
             m.time_to_first_token_seconds,
             m.total_time_seconds,
             m.num_preemptions,
+            m.host_cached_tokens,
         )
 
     @property
@@ -188,6 +190,7 @@ class PoolStats:
     num_evictions: int
     num_admissions: int
     num_admissions_deferred: int
+    host: TierStats | None = None  # the host tier; None when the pool has none
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolStats) -> PoolStats:
@@ -206,12 +209,56 @@ class PoolStats:
             m.num_evictions,
             m.num_admissions,
             m.num_admissions_deferred,
+            TierStats.from_proto(m.host) if m.HasField("host") else None,
         )
 
     @property
     def hit_rate(self) -> float:
         """Prompt tokens served from cache over prompt tokens admitted, 0..1."""
         return _ratio(self.hit_tokens, self.queried_tokens)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A lower tier of a pool (free + evictable + referenced == num_blocks)."""
+
+    tier: str  # "host" or "shared"
+    num_blocks: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_referenced_blocks: int
+    hit_tokens: int
+    num_demotions: int
+    num_loads: int
+    num_evictions: int
+    num_loads_skipped: int
+    load_seconds_per_block: float
+    recompute_seconds_per_block: float
+
+    @classmethod
+    def from_proto(cls, m: directory_pb2.TierStats) -> TierStats:
+        return cls(
+            TIER_NAMES.get(m.tier, "unspecified"),
+            m.num_blocks,
+            m.num_free_blocks,
+            m.num_evictable_blocks,
+            m.num_referenced_blocks,
+            m.hit_tokens,
+            m.num_demotions,
+            m.num_loads,
+            m.num_evictions,
+            m.num_loads_skipped,
+            m.load_seconds_per_block,
+            m.recompute_seconds_per_block,
+        )
+
+
+TIER_NAMES = {
+    directory_pb2.TIER_DEVICE: "device",
+    directory_pb2.TIER_HOST: "host",
+    directory_pb2.TIER_SHARED: "shared",
+}
+TIERS_BY_NAME = {name: value for value, name in TIER_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -304,10 +351,18 @@ class PoolMatch:
     num_cached_tokens: int
     load: float
     num_sequences: int
+    num_host_cached_tokens: int = 0  # the part of num_cached_tokens only in the host tier
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolMatch) -> PoolMatch:
-        return cls(m.pool_id, m.worker_address, m.num_cached_tokens, m.load, m.num_sequences)
+        return cls(
+            m.pool_id,
+            m.worker_address,
+            m.num_cached_tokens,
+            m.load,
+            m.num_sequences,
+            m.num_host_cached_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -331,10 +386,12 @@ class Route:
 
 @dataclass(frozen=True)
 class FlushResult:
-    """dropped: cached blocks freed; busy: matching blocks still referenced, left in place."""
+    """dropped: cached blocks freed; busy: matching blocks still referenced, left in place
+    (both summed over tiers); tiers: {tier name: (dropped, busy)} per tier flushed."""
 
     dropped: int
     busy: int
+    tiers: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -350,6 +407,8 @@ _EVENT_KINDS = {
     directory_pb2.BLOCK_EVENT_KIND_REMOVED: "removed",
     directory_pb2.BLOCK_EVENT_KIND_CLEARED: "cleared",
     directory_pb2.BLOCK_EVENT_KIND_GAP: "gap",
+    directory_pb2.BLOCK_EVENT_KIND_DEMOTED: "demoted",
+    directory_pb2.BLOCK_EVENT_KIND_LOADED: "loaded",
 }
 
 
