@@ -309,7 +309,7 @@ class BlockPool:
             _, leaf = self._drop_chain(block, 1, None)
             if leaf is not None:
                 self.leaves.push(leaf)
-            self._left_device(block, demote=False)
+            self._left_device(block)
         self.num_evictable -= len(dropped)
         self.free.give_all([block.block_id for block in dropped])  # type: ignore[misc]
         for i in range(0, len(dropped), EVENT_CHUNK):
@@ -504,8 +504,7 @@ class BlockPool:
             if leaf is not None:
                 leaves.push(leaf)
             if self.host is not None:
-                for gone in dropped:  # child first: a demoted child keeps its parent worth it
-                    self._left_device(gone, demote=True)
+                self._demote_chain(dropped)
         self.num_evictable -= num
         self.counters.num_evictions += num
         block_ids = [block.block_id for block in evicted]
@@ -546,31 +545,71 @@ class BlockPool:
 
     # ------------------------------------------------------------ host tier
 
-    def _left_device(self, block: Block, demote: bool) -> None:
-        """`block` was just dropped from the device index. It stays findable if the host
-        tier holds it, or now takes it (`demote`, when worth keeping: hit often enough,
-        or host-only children depend on it; the worker copies it out first). Otherwise
-        it is gone, and so are its host-only descendants."""
-        host = self.host
-        if host is None:
+    def _left_device(self, block: Block) -> None:
+        """`block` was just dropped from the device index without a copy (a flush): it
+        stays findable if the host tier holds it; otherwise it is gone, and so are its
+        host-only descendants."""
+        if self.host is None:
             return
-        if block.host_block_id is None:
-            # Another record under this hash in the host tier (a collision, or a copy
-            # under another parent record) keeps its place: one record per hash.
-            worth = block.num_host_children or block.num_hits >= self.demote_min_hits
-            if demote and worth and block.block_hash not in host.index:
-                host_block_id = self._take_host_block()
+        if block.host_block_id is not None:
+            self._now_host_only(block)
+        elif block.num_host_children:
+            self._drop_host_descendants(block)
+
+    def _now_host_only(self, block: Block) -> None:
+        if block.parent is not None:
+            block.parent.num_host_children += 1
+
+    def _demote_chain(self, dropped: list[Block]) -> None:
+        """Blocks one eviction just dropped from the device, child first (`_drop_chain`).
+
+        1. Those the host tier holds turn host-only (no copy).
+        2. Child first, decide who is worth a copy: hit often enough, or a host-only
+           child (existing, or wanted in this chain) depends on it; unless another
+           record holds its hash in the host tier (one record per hash).
+        3. Every wanted block is counted as its parent's host-only child *before* any
+           host block is taken, so making room never evicts a block whose child is
+           about to be demoted (that child would be orphaned).
+        4. Parent first, copy the wanted ones whose parent is still findable; a block
+           that gets no copy is gone, and with it its host-only descendants."""
+        host = self.host
+        assert host is not None
+        pending = []
+        for block in dropped:
+            if block.host_block_id is not None:
+                self._now_host_only(block)
+            else:
+                pending.append(block)
+        wanted: set[int] = set()
+        parents_wanted: set[int] = set()
+        for block in pending:  # child first
+            if block.block_hash in host.index:
+                continue
+            if (
+                block.num_hits >= self.demote_min_hits
+                or block.num_host_children
+                or id(block) in parents_wanted
+            ):
+                wanted.add(id(block))
+                if block.parent is not None:
+                    parents_wanted.add(id(block.parent))
+        for block in pending:
+            if id(block) in wanted:
+                self._now_host_only(block)
+        for block in reversed(pending):  # parent first
+            if id(block) in wanted:
+                parent = block.parent
+                findable = parent is None or parent.is_cached or parent.host_block_id is not None
+                host_block_id = self._take_host_block() if findable else None
                 if host_block_id is not None:
                     host.place(block, host_block_id)
                     self.demotions.append((block.block_id, host_block_id))  # type: ignore[arg-type]
                     self._demoted.append(block)
                     host.counters.num_demotions += 1
-            if block.host_block_id is None:
-                if block.num_host_children:
-                    self._drop_host_descendants(block)
-                return
-        if block.parent is not None:  # host-only from now on
-            block.parent.num_host_children += 1
+                    continue
+                host.child_left(parent)  # no copy after all
+            if block.num_host_children:
+                self._drop_host_descendants(block)
 
     def _take_host_block(self) -> HostBlockId | None:
         """A free host block, else the one of the host tier's first leaf (evicted)."""
@@ -584,7 +623,9 @@ class BlockPool:
         host.counters.num_evictions += 1
         return self._drop_host_copy(victim, give_back=False)
 
-    def _drop_host_copy(self, block: Block, give_back: bool = True) -> HostBlockId:
+    def _drop_host_copy(
+        self, block: Block, give_back: bool = True, pending_children: bool = False
+    ) -> HostBlockId:
         """Drop `block`'s host copy (a host leaf, or a device-cached record): a host-only
         record leaves the directory. Answers the host block (freed if `give_back`)."""
         host = self.host
@@ -592,7 +633,11 @@ class BlockPool:
         host_block_id = host.remove(block)
         self._host_dropped.append((block, host_block_id))
         if not block.is_cached:
-            assert block.num_host_children == 0, f"host-only {block} would orphan its children"
+            # Only children of the eviction under way, not copied yet, may still count
+            # (`_drop_host_descendants`): they will find their parent gone.
+            assert pending_children or block.num_host_children == 0, (
+                f"host-only {block} would orphan its children"
+            )
             host.child_left(block.parent)
         if give_back:
             host.free.give([host_block_id])  # type: ignore[list-item]
@@ -613,8 +658,9 @@ class BlockPool:
                 doomed.append(record)
         for record in sorted(doomed, key=_deepest_first):
             assert record.host_refs == 0, "a load holds its parent chain, so root was not evictable"
-            self._drop_host_copy(record)
-        assert root.num_host_children == 0
+            self._drop_host_copy(record, pending_children=True)
+        # What may still count in root: children of the same eviction not copied yet,
+        # which then find root gone and take their count back.
 
     def _emit_tier_events(self) -> None:
         """The DEMOTED and host REMOVED events of the op that just ran."""

@@ -5,6 +5,9 @@ programs against the same invariants; these pin down the named cases."""
 
 from __future__ import annotations
 
+import pytest
+
+from bench.tier_trace import ConversationSpec, conversation_trace
 from blockd.events import EventKind
 from blockd.types import AdmitOp, CommitOp, HostSpec, ReleaseOp, Tier
 from tests.blockd.helpers import Harness, harness
@@ -114,3 +117,32 @@ def test_a_full_host_tier_evicts_its_own_leaves_first():
     assert h.directory.lookup(A, pool_id=h.pool_id)[0].num_cached_tokens == 0
     removed = [e for e in h.directory.events.read(0) if e.kind is EventKind.REMOVED and e.tier is Tier.HOST]
     assert sum(len(e.block_hashes) for e in removed) >= 2
+
+
+@pytest.mark.parametrize("host_blocks", [6, 48])
+def test_a_conversation_trace_keeps_every_invariant(host_blocks):
+    """Long chains evicted whole, some blocks already in the host tier, a host tier too
+    small for them: the cases that orphan a chain when ordered wrong."""
+    spec = ConversationSpec(
+        num_families=4,
+        family_tokens=(16, 48),
+        num_conversations=24,
+        turns=(2, 6),
+        user_tokens=(4, 12),
+        answer_tokens=(4, 16),
+        active=5,
+        seed=3,
+    )
+    trace = conversation_trace(spec)
+    h = harness(num_blocks=max(len(p) for p in trace) // 4 + 2, block_size=4, host=HostSpec(host_blocks))
+    for seq_id, prompt in enumerate(trace):  # harness.step checks every invariant
+        result = h.step(admits=[_admit(seq_id, prompt)]).admits[0]
+        first = result.num_cached_tokens // 4 - len(result.loads)
+        last = len(prompt) // 4
+        commits = (
+            [CommitOp(seq_id, result.block_ids[first:last], prompt[first * 4 : last * 4])]
+            if last > first
+            else []
+        )
+        h.step(commits=commits, releases=[ReleaseOp(seq_id)])
+    assert h.pool.host.counters.num_demotions > 0 and h.pool.host.counters.num_loads > 0

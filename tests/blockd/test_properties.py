@@ -387,6 +387,12 @@ class TieredSeenTwiceMachine(DirectoryMachine):
     demote_min_hits = 1
 
 
+class TieredTinyHostMachine(DirectoryMachine):
+    """A host tier of three blocks: demotions of whole chains keep evicting from it."""
+
+    host_spec = HostSpec(3)
+
+
 class TieredCollidingMachine(TieredDirectoryMachine):
     hasher = CollidingDirectoryMachine.hasher
 
@@ -417,6 +423,7 @@ TestCollidingDirectoryMachine = _test_case(CollidingDirectoryMachine, _fast)
 TestBlindDirectoryMachine = _test_case(BlindDirectoryMachine, _fast)
 TestTieredDirectoryMachine = _test_case(TieredDirectoryMachine, _fast)
 TestTieredSeenTwiceMachine = _test_case(TieredSeenTwiceMachine, _fast)
+TestTieredTinyHostMachine = _test_case(TieredTinyHostMachine, _fast)
 TestTieredCollidingMachine = _test_case(TieredCollidingMachine, _fast)
 TestTieredBlindMachine = _test_case(TieredBlindMachine, _fast)
 TestLongDirectoryMachine = _test_case(DirectoryMachine, _long, *_slow)
