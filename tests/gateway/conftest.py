@@ -126,3 +126,12 @@ def open_gateway(gw: GatewayStack) -> Iterator[Callable[..., Daemon]]:
     yield start
     for daemon in started:
         daemon.stop()
+
+
+def dead_address() -> str:
+    """A loopback address where nothing listens."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
