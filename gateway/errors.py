@@ -49,6 +49,7 @@ GRPC_STATUS: dict[grpc.StatusCode, Status] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,
     grpc.StatusCode.CANCELLED: Status(499, "server_error", "cancelled"),
     grpc.StatusCode.ABORTED: UNAVAILABLE,
+    grpc.StatusCode.ALREADY_EXISTS: Status(409, "invalid_request_error", "conflict"),
     grpc.StatusCode.UNIMPLEMENTED: Status(502, "server_error", "upstream_unimplemented"),
     grpc.StatusCode.INTERNAL: INTERNAL,
     grpc.StatusCode.UNKNOWN: INTERNAL,
