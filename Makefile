@@ -11,7 +11,7 @@ COMPUTED2_ADDR ?= 127.0.0.1:50053
 GATEWAY_ADDR ?= 127.0.0.1:8000
 PYTEST_ARGS ?=
 
-.PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer up up2 down demo clean
+.PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,10 @@ bench-quick: install
 bench-peer: install
 	PY=$(PY) bash bench/peer/install_vllm.sh .venv-vllm
 	$(BIN)/python -m bench --only peer
+
+# The gateway against round robin and against calling computed directly (aiperf when AIPERF names it).
+bench-gateway: install
+	$(BIN)/python -m bench.gateway $(if $(AIPERF),--aiperf $(AIPERF))
 
 up: install
 	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
