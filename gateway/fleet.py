@@ -144,7 +144,15 @@ class Fleet:
             return least_loaded(available), prompt
         token_ids = prompt.token_ids
         if token_ids is None:
-            token_ids = await self._tokenize(least_loaded(available), prompt)
+            tokenizer = least_loaded(available)
+            try:
+                token_ids = await self._tokenize(tokenizer, prompt)
+            except KVCacheError as error:
+                if not error.is_unreachable:
+                    raise
+                self.mark_down(tokenizer)  # the others may still serve, as the prompt is
+                metrics.ROUTING.labels("least_loaded").inc()
+                return least_loaded(self._available(model)), prompt
         routed = dataclasses.replace(prompt, text=None, messages=None, token_ids=token_ids)
         route = await self._route(token_ids, prompt)
         chosen = choose(route, available) if route is not None else None

@@ -1,15 +1,18 @@
 """The gateway's process: uvicorn on a socket bound here, a ready file, graceful SIGTERM.
 
-uvicorn handles SIGTERM/SIGINT: it stops accepting, lets open requests (streams
-included) finish for up to `drain_seconds`, then the app's lifespan closes the
-channels to the daemons.
+SIGTERM/SIGINT: uvicorn stops accepting, lets open requests (streams included) finish
+for up to `drain_seconds`, then the app's lifespan closes the channels to the daemons
+and the process exits 0 (a second signal stops waiting).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -36,7 +39,7 @@ async def serve(config: GatewayConfig) -> int:
     sock = bind(config)
     host, port = sock.getsockname()[:2]
     address = f"{host}:{port}"
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             build_app(config),
             log_config=None,
@@ -45,6 +48,9 @@ async def serve(config: GatewayConfig) -> int:
             lifespan="on",
         )
     )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _stop, server, sig)
     waiter = asyncio.create_task(_announce(server, config, address))
     try:
         await server.serve(sockets=[sock])
@@ -52,6 +58,21 @@ async def serve(config: GatewayConfig) -> int:
         waiter.cancel()
     log.info("gateway stopped")
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture, which re-raises SIGTERM after the drain (exit -15)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _stop(server: uvicorn.Server, sig: int) -> None:
+    if server.should_exit:  # a second signal: stop waiting for open requests
+        server.force_exit = True
+    server.should_exit = True
+    log.info("draining", signal=signal.Signals(sig).name, seconds=server.config.timeout_graceful_shutdown)
 
 
 async def _announce(server: uvicorn.Server, config: GatewayConfig, address: str) -> None:
