@@ -20,6 +20,7 @@ COPY kvcache ./kvcache
 COPY blockd ./blockd
 COPY computed ./computed
 COPY clients ./clients
+COPY gateway ./gateway
 # Installs the dependencies and the kvctl/blockd/computed scripts. The daemons run
 # as `python -m ...` from /app, so they import this source tree.
 RUN chmod -R a+rX /app \
@@ -27,6 +28,6 @@ RUN chmod -R a+rX /app \
     && useradd --system --uid 10001 --home-dir /app kvcache
 
 USER kvcache
-EXPOSE 50051 50052
+EXPOSE 50051 50052 8000
 # Overridden per service in docker-compose.yml.
 CMD ["python", "-m", "blockd", "--listen", "0.0.0.0:50051"]

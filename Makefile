@@ -8,9 +8,10 @@ RUN_DIR ?= run
 BLOCKD_ADDR ?= 127.0.0.1:50051
 COMPUTED_ADDR ?= 127.0.0.1:50052
 COMPUTED2_ADDR ?= 127.0.0.1:50053
+GATEWAY_ADDR ?= 127.0.0.1:8000
 PYTEST_ARGS ?=
 
-.PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer up up2 down demo clean
+.PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
 
 install: $(VENV)/.installed
 
@@ -33,12 +34,12 @@ proto-check: install
 	$(BIN)/buf lint
 
 lint: install proto-check
-	$(BIN)/ruff check blockd computed clients tests bench tools
-	$(BIN)/ruff format --check blockd computed clients tests bench tools
+	$(BIN)/ruff check blockd computed clients gateway tests bench tools
+	$(BIN)/ruff format --check blockd computed clients gateway tests bench tools
 
 format: install
-	$(BIN)/ruff format blockd computed clients tests bench tools
-	$(BIN)/ruff check --fix blockd computed clients tests bench tools
+	$(BIN)/ruff format blockd computed clients gateway tests bench tools
+	$(BIN)/ruff check --fix blockd computed clients gateway tests bench tools
 
 test: install
 	$(BIN)/buf lint
@@ -58,18 +59,24 @@ bench-peer: install
 	PY=$(PY) bash bench/peer/install_vllm.sh .venv-vllm
 	$(BIN)/python -m bench --only peer
 
+# The gateway against round robin and against calling computed directly (aiperf when AIPERF names it).
+bench-gateway: install
+	$(BIN)/python -m bench.gateway $(if $(AIPERF),--aiperf $(AIPERF))
+
 up: install
-	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR)
+	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
+		--gateway $(GATEWAY_ADDR)
 
 up2: install
 	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
-		--computed $(COMPUTED2_ADDR)
+		--computed $(COMPUTED2_ADDR) --gateway $(GATEWAY_ADDR)
 
 down:
 	$(BIN)/python -m clients.stack down --run-dir $(RUN_DIR)
 
 demo: install
-	$(BIN)/python -m clients.demo --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR)
+	$(BIN)/python -m clients.demo --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
+		--gateway $(GATEWAY_ADDR)
 
 clean:
 	rm -rf $(RUN_DIR) .pytest_cache

@@ -45,9 +45,11 @@ BENCHMARKS: dict[str, str] = {
     "kv_memory": "bench.kv_memory",
     "gpu": "bench.gpu",
 }
-# Run only when named (`--only peer`, `make bench-peer`): its install takes minutes and gigabytes.
+# Run only when named: peer's install takes minutes and gigabytes (`make bench-peer`); gateway
+# has its own target (`make bench-gateway`).
 ON_REQUEST: dict[str, str] = {
     "peer": "bench.peer_vllm",
+    "gateway": "bench.gateway",
 }
 SECTIONS = {**BENCHMARKS, **ON_REQUEST}
 

@@ -201,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    parser.add_argument("--gateway", help="also start the OpenAI-compatible HTTP gateway on this HOST:PORT")
     return parser
 
 
@@ -223,10 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             with console.status("starting blockd and computed (loading the model)..."):
-                stack.up(args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model)
+                stack.up(
+                    args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model, gateway=args.gateway
+                )
             started = True
             addresses = stack.addresses()
-        computed = [a for name, a in sorted(addresses.items()) if name != "blockd"]
+        computed = [a for name, a in sorted(addresses.items()) if name.startswith("computed")]
         token = os.environ.get("KVCACHE_ADMIN_TOKEN") or os.environ.get("BLOCKD_ADMIN_TOKEN")
         options = ClientOptions(admin_token=token or None)
         with KVCacheClient(addresses["blockd"], computed, options=options) as client:
@@ -255,6 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"try: {_next_step(addresses['blockd'], computed, stays_up=not started or args.keep)}",
                 markup=False,
             )
+            if "gateway" in addresses:
+                console.print(
+                    f"OpenAI-compatible API: http://{addresses['gateway']}/v1 (see README)", markup=False
+                )
         return 0
     except (StackError, KVCacheError) as error:
         console.print(f"error: {error}", markup=False, soft_wrap=True)

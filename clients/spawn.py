@@ -8,7 +8,8 @@ health answers SERVING there; a `unix:` address is taken as ready once F is writ
 stdout and stderr are appended to one log file per daemon, which every start-up error
 quotes (its last lines, each prefixed with "  | ").
 
-This module imports neither daemon: each runs in its own interpreter.
+The gateway (`start_gateway`) starts the same way; it is ready once GET /health answers.
+This module imports no daemon: each runs in its own interpreter.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +112,11 @@ def wait_ready(
     timeout: float,
     *,
     tail_lines: int = LOG_TAIL_LINES,
+    probe: Callable[[str], str] | None = None,
 ) -> str:
     """Wait for the ready file, then for health SERVING; answers the bound address.
+
+    probe: answers an address's health, "SERVING" when ready (default: grpc health).
 
     Raises DaemonExited when `is_alive` turns false first, DaemonTimeout after `timeout` s.
     """
@@ -123,7 +129,7 @@ def wait_ready(
         if address:
             if address.startswith("unix:"):
                 return address
-            state = health_status(address, timeout=1.0)
+            state = probe(address) if probe is not None else health_status(address, timeout=1.0)
             if state == "SERVING":
                 return address
         time.sleep(_POLL_SECONDS)
@@ -152,6 +158,7 @@ def spawn(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
     listen: str = "127.0.0.1:0",
+    probe: Callable[[str], str] | None = None,
 ) -> Daemon:
     """Start a daemon as a child of this process; answers it once it serves.
 
@@ -165,7 +172,9 @@ def spawn(
     command = daemon_command(module, listen, ready, args)
     proc = launch(command, log_path, env=env)
     try:
-        address = wait_ready(name, ready, log_path, lambda: proc.poll() is None, timeout, tail_lines=200)
+        address = wait_ready(
+            name, ready, log_path, lambda: proc.poll() is None, timeout, tail_lines=200, probe=probe
+        )
     except BaseException:
         if proc.poll() is None:
             proc.kill()
@@ -192,6 +201,33 @@ def start_computed(
     if model is not None:
         extra += ["--model", str(model)]
     return spawn(name, "computed", workdir, extra + list(args), env=env, timeout=300.0)
+
+
+def http_health(address: str, timeout: float = 1.0) -> str:
+    """The gateway's readiness: "SERVING" once GET /health answers at all (503 while no
+    worker is up is still a serving gateway), else why not."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout):
+            return "SERVING"
+    except urllib.error.HTTPError:
+        return "SERVING"
+    except OSError as error:
+        return f"not answering ({error})"
+
+
+def start_gateway(
+    workdir: Path,
+    computed: Sequence[str],
+    *args: str,
+    blockd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    name: str = "gateway",
+) -> Daemon:
+    """The HTTP gateway (`python -m gateway`) on a free loopback port; `address` is HOST:PORT."""
+    extra = ["--blockd", blockd or "", "--log-format", "json"]
+    for address in computed:
+        extra += ["--computed", address]
+    return spawn(name, "gateway", workdir, extra + list(args), env=env, probe=http_health)
 
 
 def _read_text(path: Path) -> str | None:

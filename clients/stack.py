@@ -32,7 +32,7 @@ from rich.table import Table
 
 from clients.healthcheck import health_status
 from clients.render import output_console
-from clients.spawn import DaemonExited, DaemonTimeout, daemon_command, launch, wait_ready
+from clients.spawn import DaemonExited, DaemonTimeout, daemon_command, http_health, launch, wait_ready
 
 
 def python_command(*args: str) -> str:
@@ -104,8 +104,11 @@ class Stack:
         blockd_args: Sequence[str] = (),
         computed_args: Sequence[str] = (),
         timeout: float = 300.0,
+        gateway: str | None = None,
+        gateway_args: Sequence[str] = (),
     ) -> list[DaemonState]:
-        """Start blockd, then each computed; returns their states once all are SERVING."""
+        """Start blockd, then each computed, then the HTTP gateway (when `gateway` is an
+        address); returns their states once all are SERVING."""
         if not computed:
             raise StackError("need at least one --computed address")
         running = [s.name for s in self.status() if s.is_running]
@@ -133,16 +136,23 @@ class Stack:
             for spec in specs:
                 self._start(spec)
                 started.append(spec)
-            for spec in specs:
-                self._wait_serving(spec, timeout)
+            bound = [self._wait_serving(spec, timeout) for spec in specs]
+            if gateway:
+                routed = ("--blockd", blockd_address, "--computed", ",".join(bound))
+                gateway_spec = DaemonSpec("gateway", "gateway", gateway, (*routed, *gateway_args))
+                self._start(gateway_spec)
+                started.append(gateway_spec)
+                self._wait_serving(gateway_spec, timeout)
         except BaseException:
             self._stop([s.name for s in reversed(started)], grace=10.0)
             raise
         return self.status()
 
     def down(self, grace: float = 20.0) -> list[str]:
-        """Stop every daemon of the run folder, computed first; returns the names stopped."""
-        names = sorted((p.stem for p in self.run_dir.glob("*.pid")), key=lambda n: (n == "blockd", n))
+        """Stop every daemon of the run folder, the gateway first and blockd last; returns the names stopped."""
+        names = sorted(
+            (p.stem for p in self.run_dir.glob("*.pid")), key=lambda n: (n == "blockd", n != "gateway", n)
+        )
         return self._stop(names, grace)
 
     def status(self) -> list[DaemonState]:
@@ -152,7 +162,8 @@ class Stack:
             pid = _read_int(pid_file)
             is_running = pid is not None and self._is_ours(pid, name)
             address = _read_text(self.run_dir / f"{name}.ready")
-            health = health_status(address, timeout=1.0) if is_running and address else "-"
+            probe = http_health if name == "gateway" else lambda a: health_status(a, timeout=1.0)
+            health = probe(address) if is_running and address else "-"
             states.append(DaemonState(name, pid, is_running, address, health, self.run_dir / f"{name}.log"))
         return states
 
@@ -186,6 +197,7 @@ class Stack:
                 self.run_dir / f"{spec.name}.log",
                 lambda: self._is_alive(pid),
                 timeout,
+                probe=http_health if spec.module == "gateway" else None,
             )
         except (DaemonExited, DaemonTimeout) as error:
             raise StackError(str(error)) from None
@@ -224,7 +236,7 @@ class Stack:
         cmdline = Path(f"/proc/{pid}/cmdline")
         if not cmdline.exists():  # no /proc (macOS): trust the pid file
             return True
-        module = "blockd" if name == "blockd" else "computed"
+        module = name if name in ("blockd", "gateway") else "computed"
         args = cmdline.read_bytes().split(b"\0")
         return b"-m" in args and module.encode() in args
 
@@ -319,6 +331,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--blockd-args", default="", help="more blockd flags, one shell-quoted string")
     up.add_argument("--computed-args", default="", help="more computed flags, one shell-quoted string")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each daemon")
+    up.add_argument("--gateway", help="also start the OpenAI-compatible HTTP gateway on this HOST:PORT")
+    up.add_argument("--gateway-args", default="", help="more gateway flags, one shell-quoted string")
     down.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
     status.add_argument("--json", action="store_true")
     return parser
@@ -338,12 +352,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 blockd_args=shlex.split(args.blockd_args),
                 computed_args=shlex.split(args.computed_args),
                 timeout=args.timeout,
+                gateway=args.gateway,
+                gateway_args=shlex.split(args.gateway_args),
             )
             out.print(_status_table(states))
-            computed = ",".join(s.address for s in states if s.name != "blockd" and s.address)
+            computed = ",".join(s.address for s in states if s.name.startswith("computed") and s.address)
             blockd = next(s.address for s in states if s.name == "blockd")
             hint = kvctl_command("--blockd", blockd, "--computed", computed, "generate", "Hello")
             out.print(f"try: {hint}", markup=False)
+            gateway_address = next((s.address for s in states if s.name == "gateway"), None)
+            if gateway_address:
+                out.print(f"OpenAI-compatible API: http://{gateway_address}/v1 (see README)", markup=False)
         elif args.command == "down":
             stopped = stack.down(args.grace)
             out.print(f"stopped: {', '.join(stopped)}" if stopped else f"nothing running in {args.run_dir}")

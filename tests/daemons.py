@@ -15,6 +15,7 @@ from clients.spawn import (
     spawn,
     start_blockd,
     start_computed,
+    start_gateway,
     wait_serving,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "spawn",
     "start_blockd",
     "start_computed",
+    "start_gateway",
     "wait_serving",
 ]

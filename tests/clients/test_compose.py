@@ -53,7 +53,7 @@ def port_of(address: str) -> str:
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_service_command_flags_are_accepted_by_the_daemon(name: str) -> None:
     command = SERVICES[name]["command"]
-    assert command[:2] == ["python", "-m"] and command[2] in ("blockd", "computed")
+    assert command[:2] == ["python", "-m"] and command[2] in ("blockd", "computed", "gateway")
     accepted = help_text(command[2])
     for flag in flags_of(command):
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", accepted), (
@@ -68,8 +68,11 @@ def test_ports_health_checks_and_addresses_agree(name: str) -> None:
     listen_port = port_of(flag_value(command, "--listen"))
     assert flag_value(command, "--listen").startswith("0.0.0.0:"), "reachable from other containers"
     probe = service["healthcheck"]["test"]
-    assert probe[:4] == ["CMD", "python", "-m", "clients.healthcheck"]
-    assert port_of(probe[-1]) == listen_port
+    if command[2] == "gateway":  # HTTP: GET /health
+        assert f"127.0.0.1:{listen_port}/health" in probe[-1]
+    else:
+        assert probe[:4] == ["CMD", "python", "-m", "clients.healthcheck"]
+        assert port_of(probe[-1]) == listen_port
     published = [p.rsplit(":", 1)[1] for p in service["ports"]]
     assert published == [listen_port]
     if command[2] == "computed":
@@ -78,10 +81,18 @@ def test_ports_health_checks_and_addresses_agree(name: str) -> None:
         assert flag_value(command, "--worker-address") == f"{name}:{listen_port}"
         assert service["depends_on"]["blockd"]["condition"] == "service_healthy"
         assert any(v.endswith(":/models:ro") for v in service["volumes"]), "the model volume"
+    if command[2] == "gateway":
+        workers = flag_value(command, "--computed").split(",")
+        assert workers == [
+            flag_value(s["command"], "--worker-address")
+            for s in SERVICES.values()
+            if s["command"][2] == "computed"
+        ], "the gateway knows each worker by the address it announces to blockd"
 
 
 def test_scale_profile_adds_a_second_worker_on_another_host_port() -> None:
     assert "profiles" not in SERVICES["blockd"] and "profiles" not in SERVICES["computed"]
+    assert "profiles" not in SERVICES["gateway"]
     assert SERVICES["computed2"]["profiles"] == ["scale"]
     host_ports = [p.split(":")[-2] for s in SERVICES.values() for p in s["ports"]]
     assert len(host_ports) == len(set(host_ports))

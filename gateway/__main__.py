@@ -1,0 +1,142 @@
+"""`gateway`: an OpenAI-compatible HTTP front door to blockd and the computed workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from gateway.config import LOG_FORMATS, ROUTING_MODES, GatewayConfig
+from gateway.tenants import load_keys
+
+KEYS_ENV = "GATEWAY_API_KEYS"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _addresses(values: list[str] | None, default: str) -> tuple[str, ...]:
+    raw = values or [default]
+    return tuple(a.strip() for value in raw for a in value.split(",") if a.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(
+        prog="gateway",
+        description="OpenAI-compatible HTTP gateway (chat/completions, completions, models) in front of "
+        "blockd and computed workers, with cache-aware routing and per-tenant cache isolation.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--listen",
+        default=_env("GATEWAY_LISTEN", "127.0.0.1:8000"),
+        help="HTTP HOST:PORT (port 0: a free one) [env GATEWAY_LISTEN]",
+    )
+    p.add_argument(
+        "--blockd",
+        default=_env("GATEWAY_BLOCKD", "127.0.0.1:50051"),
+        help="blockd address for Route; '' for none (least-loaded only) [env GATEWAY_BLOCKD]",
+    )
+    p.add_argument(
+        "--computed",
+        action="append",
+        default=None,
+        help="computed address; repeat or comma-separate for several (default 127.0.0.1:50052) "
+        "[env GATEWAY_COMPUTED]",
+    )
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        default=_env("GATEWAY_ROUTING", "cache-aware"),
+        help="cache-aware: blockd's Route; round-robin: never ask blockd [env GATEWAY_ROUTING]",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=_env("GATEWAY_API_KEYS_FILE"),
+        help="file of KEY=TENANT lines [env GATEWAY_API_KEYS_FILE]; also env GATEWAY_API_KEYS="
+        "'KEY=TENANT,...'; no keys at all: the gateway runs open",
+    )
+    p.add_argument(
+        "--public-prefix-tokens",
+        type=int,
+        default=int(_env("GATEWAY_PUBLIC_PREFIX_TOKENS", "0")),
+        help="the first N prompt tokens are cached for every tenant alike (a shared system "
+        "prompt) [env GATEWAY_PUBLIC_PREFIX_TOKENS]",
+    )
+    p.add_argument(
+        "--max-inflight-per-worker",
+        type=int,
+        default=int(_env("GATEWAY_MAX_INFLIGHT_PER_WORKER", "256")),
+        help="requests in flight per worker before 429 [env GATEWAY_MAX_INFLIGHT_PER_WORKER]",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=float(_env("GATEWAY_REQUEST_TIMEOUT", "600")),
+        help="deadline of a whole generation, seconds (then 504) [env GATEWAY_REQUEST_TIMEOUT]",
+    )
+    p.add_argument(
+        "--route-timeout",
+        type=float,
+        default=float(_env("GATEWAY_ROUTE_TIMEOUT", "1")),
+        help="deadline of Tokenize/Route/GetModelInfo, seconds [env GATEWAY_ROUTE_TIMEOUT]",
+    )
+    p.add_argument(
+        "--route-token",
+        default=_env("GATEWAY_ROUTE_TOKEN"),
+        help="blockd's route token (blockd --route-token) [env GATEWAY_ROUTE_TOKEN]",
+    )
+    p.add_argument(
+        "--ready-file",
+        default=_env("GATEWAY_READY_FILE"),
+        help="write the bound HOST:PORT here once serving [env GATEWAY_READY_FILE]",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_env("GATEWAY_LOG_FORMAT", "auto"),
+        help="auto: console on a TTY, JSON otherwise [env GATEWAY_LOG_FORMAT]",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=float(_env("GATEWAY_DRAIN_SECONDS", "30")),
+        help="on SIGTERM, let open requests finish this long [env GATEWAY_DRAIN_SECONDS]",
+    )
+    a = p.parse_args(argv)
+    try:
+        keys = load_keys(Path(a.api_keys_file) if a.api_keys_file else None, _env(KEYS_ENV))
+        computed = a.computed or ([_env("GATEWAY_COMPUTED")] if _env("GATEWAY_COMPUTED") else None)
+        return GatewayConfig(
+            listen=a.listen,
+            blockd=a.blockd or None,
+            computed=_addresses(computed, "127.0.0.1:50052"),
+            routing=a.routing,
+            api_keys=keys,
+            public_prefix_tokens=a.public_prefix_tokens,
+            max_inflight_per_worker=a.max_inflight_per_worker,
+            request_timeout=a.request_timeout,
+            route_timeout=a.route_timeout,
+            route_token=a.route_token,
+            ready_file=a.ready_file,
+            log_format=a.log_format,
+            drain_seconds=a.drain_seconds,
+        )
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    from gateway.logs import configure_logging
+    from gateway.server import serve
+
+    configure_logging(config.log_format)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The gateway's configuration: frozen, validated, built once in __main__."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ROUTING_MODES = ("cache-aware", "round-robin")
+LOG_FORMATS = ("auto", "console", "json")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen: str = "127.0.0.1:8000"
+    # None: no blockd, every request goes to the least-loaded worker of its model.
+    blockd: str | None = "127.0.0.1:50051"
+    computed: tuple[str, ...] = ("127.0.0.1:50052",)
+    # cache-aware: blockd's Route (longest cached prefix, load-aware), least-loaded when it
+    # cannot answer; round-robin: never ask blockd (the benchmark's baseline).
+    routing: str = "cache-aware"
+    # API key -> tenant; empty: open (every caller shares one cache, said at start-up).
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    # The first N prompt tokens are hashed without the tenant's salt (a shared system prompt).
+    public_prefix_tokens: int = 0
+    # Requests a worker may have in flight from this gateway; all full -> 429.
+    max_inflight_per_worker: int = 256
+    # Deadline of one whole generation (-> 504).
+    request_timeout: float = 600.0
+    # Deadline of Tokenize/Route/GetModelInfo; blockd slower than this is skipped.
+    route_timeout: float = 1.0
+    # blockd's route token (blockd --route-token), sent on Route.
+    route_token: str | None = None
+    ready_file: str | None = None
+    log_format: str = "auto"
+    # SIGTERM: stop accepting, let running requests finish this long.
+    drain_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if not self.computed:
+            raise ValueError("need at least one --computed address")
+        for address in (*self.computed, *([self.blockd] if self.blockd else [])):
+            if address.rpartition(":")[2] == "" or "://" in address:
+                raise ValueError(f"daemon addresses are HOST:PORT, got {address!r}")
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        if self.public_prefix_tokens < 0:
+            raise ValueError("--public-prefix-tokens must be >= 0")
+        if self.max_inflight_per_worker < 1:
+            raise ValueError("--max-inflight-per-worker must be >= 1")
+        if self.request_timeout <= 0 or self.route_timeout <= 0 or self.drain_seconds < 0:
+            raise ValueError("timeouts must be > 0 (drain >= 0)")
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])

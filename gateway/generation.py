@@ -1,0 +1,96 @@
+"""One Generate stream to a worker, counted in its in-flight load, cancelled when dropped.
+
+`Generation.start` places the request (see gateway.fleet), opens the stream and waits
+for its first message, so every failure before the first token becomes the response's
+HTTP status; a worker unreachable before its first message is replaced by another of
+the model's. `close` cancels the gRPC call (computed aborts the sequence and releases
+its blocks) and is safe to call at any time, any number of times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+
+from clients.errors import KVCacheError
+from clients.requests import Prompt, SamplingParams
+from clients.types import GenerateChunk
+from gateway.errors import from_daemon
+from gateway.fleet import Fleet, Worker
+
+
+class Generation:
+    def __init__(self, fleet: Fleet, model: str, prompt: Prompt, sampling: SamplingParams) -> None:
+        self._fleet = fleet
+        self._model = model
+        self._prompt = prompt
+        self._sampling = sampling
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self.worker: Worker | None = None
+        self.head: GenerateChunk | None = None
+
+    async def start(self) -> None:
+        """Place, send, and read the first message; raises ApiError."""
+        try:
+            worker, prompt = await self._fleet.place(self._model, self._prompt)
+            while True:
+                self._open(worker, prompt)
+                try:
+                    self.head = await self._read()
+                    return
+                except KVCacheError as error:
+                    if error.code is not grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    self._release()
+                    nxt = self._fleet.failover(self._model, worker)
+                    if nxt is None:
+                        raise
+                    worker = nxt
+        except KVCacheError as error:
+            self.close()
+            raise from_daemon(error) from None
+        except BaseException:
+            self.close()
+            raise
+
+    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        """Every message, the head first; raises ApiError on a failure mid-stream."""
+        try:
+            chunk = self.head
+            while chunk is not None:
+                yield chunk
+                if chunk.finish_reason:
+                    return
+                chunk = await self._read()
+        except KVCacheError as error:
+            raise from_daemon(error) from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._release()
+
+    def _open(self, worker: Worker, prompt: Prompt) -> None:
+        self.worker = worker
+        worker.inflight += 1
+        request = prompt.to_request(self._sampling)
+        self._call = worker.stub.Generate(request, timeout=self._fleet.config.request_timeout)
+
+    def _release(self) -> None:
+        if self.worker is not None and self._call is not None:
+            self.worker.inflight -= 1
+            self._call = None
+
+    async def _read(self) -> GenerateChunk | None:
+        assert self._call is not None and self.worker is not None
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as error:
+            raise KVCacheError.from_rpc_error("computed", self.worker.address, error) from None
+        if message is grpc.aio.EOF:
+            return None
+        return GenerateChunk.from_proto(message)

@@ -1,0 +1,38 @@
+"""The gateway's Prometheus metrics (GET /metrics), in a registry of their own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+REQUESTS = Counter(
+    "gateway_requests",
+    "HTTP requests answered, by endpoint and status",
+    ["endpoint", "status"],
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "gateway_tokens",
+    "Tokens by kind: prompt, cached (prompt tokens served from cache), completion",
+    ["kind"],
+    registry=REGISTRY,
+)
+ROUTING = Counter(
+    "gateway_routing_decisions",
+    "Where requests went: routed (blockd's Route), least_loaded (fallback or single worker), round_robin",
+    ["decision"],
+    registry=REGISTRY,
+)
+INFLIGHT = Gauge("gateway_inflight_requests", "Generation requests being served", registry=REGISTRY)
+TTFT = Histogram(
+    "gateway_time_to_first_token_seconds",
+    "Time to first token as the workers measured it",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
+DISCONNECTS = Counter(
+    "gateway_client_disconnects",
+    "Streams whose client went away before the end (generation cancelled)",
+    registry=REGISTRY,
+)

@@ -1,0 +1,242 @@
+"""The gateway's pure parts: validation, the status table, response shapes, tenants, config."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from clients.errors import KVCacheError
+from clients.types import ChatMessage, Usage
+from gateway.__main__ import parse_args
+from gateway.config import GatewayConfig
+from gateway.errors import GRPC_STATUS, ApiError, from_daemon
+from gateway.responses import Reply, usage_body
+from gateway.schema import parse_chat, parse_completion
+from gateway.tenants import Tenants, parse_keys, salt_for
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _error(parse, body) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse(body)
+    return caught.value
+
+
+# ---------------------------------------------------------------- schema
+
+
+def test_chat_maps_every_served_parameter() -> None:
+    req = parse_chat(
+        {
+            **CHAT,
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"},
+            ],
+            "max_completion_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": -1,
+            "stop": "x",
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": False,
+            "user": "u",
+        }
+    )
+    assert req.prompts[0].messages == (
+        ChatMessage("system", "s"),
+        ChatMessage("user", "ab"),
+        ChatMessage("assistant", "c"),
+    )
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop) == (5, 0.5, 0.9, (1 << 64) - 1, ("x",))
+    assert req.n == 2 and req.stream and req.include_usage
+    assert req.sampling_for(1).seed == 0 and req.sampling_for(0).seed == (1 << 64) - 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expect"),
+    [
+        ("abc", [("abc", None)]),
+        (["a", "b"], [("a", None), ("b", None)]),
+        ([1, 2, 3], [(None, (1, 2, 3))]),
+        ([[1], [2, 3]], [(None, (1,)), (None, (2, 3))]),
+    ],
+)
+def test_completion_prompt_forms(prompt, expect) -> None:
+    req = parse_completion({"model": "m", "prompt": prompt})
+    assert [(p.text, p.token_ids) for p in req.prompts] == expect
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({**CHAT, "frequency_penalty": 1}, "frequency_penalty"),
+        ({**CHAT, "cache_salt": "x"}, "cache_salt"),
+        ({**CHAT, "temperature": -1}, "temperature"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "top_p": 1.5}, "top_p"),
+        ({**CHAT, "n": 17}, "n"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "max_tokens": 2, "max_completion_tokens": 2}, "max_completion_tokens"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**CHAT, "stop": [""]}, "stop"),
+        ({**CHAT, "seed": 1.5}, "seed"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "model": ""}, "model"),
+        ({"messages": CHAT["messages"]}, "model"),
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        ({**CHAT, "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ],
+)
+def test_chat_refusals_name_the_parameter(body, param) -> None:
+    error = _error(parse_chat, body)
+    assert error.status.http == 400 and error.param == param and param.split("[")[0] in error.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": ""}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt"),
+        ({"model": "m", "prompt": [-1]}, "prompt"),
+        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "a", "best_of": 3}, "best_of"),
+        ({"model": "m", "prompt": "a", "suffix": "z"}, "suffix"),
+        ({"model": "m", "prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens"),
+    ],
+)
+def test_completion_refusals_name_the_parameter(body, param) -> None:
+    assert _error(parse_completion, body).param == param
+
+
+def test_noop_defaults_are_accepted() -> None:
+    req = parse_completion({"model": "m", "prompt": "a", "echo": False, "best_of": 1, "logprobs": None})
+    assert req.n == 1 and not req.stream
+
+
+def test_a_body_that_is_not_an_object_is_400() -> None:
+    assert _error(parse_chat, [1]).status.http == 400
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("code", "http"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 400),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+def test_grpc_codes_map_to_http(code, http) -> None:
+    error = from_daemon(KVCacheError("computed", "127.0.0.1:1", code, "why"))
+    assert error.status.http == http
+    body = error.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+
+
+def test_every_grpc_code_has_a_row() -> None:
+    assert set(GRPC_STATUS) == set(grpc.StatusCode) - {grpc.StatusCode.OK}
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _usage(prompt: int, cached: int, completion: int) -> Usage:
+    return Usage(prompt, cached, completion, 0.1, 0.2, 0)
+
+
+def test_usage_counts_each_prompt_once_and_every_completion() -> None:
+    body = usage_body([_usage(10, 8, 3), _usage(10, 0, 4), _usage(5, 0, 1), _usage(5, 0, 2)], n=2)
+    assert body == {
+        "prompt_tokens": 15,
+        "completion_tokens": 10,
+        "total_tokens": 25,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+
+
+def test_chat_chunks_and_bodies() -> None:
+    reply = Reply.new("chat", "m")
+    assert reply.id.startswith("chatcmpl-")
+    first = reply.chunk(0, "a", None, first=True, with_usage=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"} and first["usage"] is None
+    last = reply.chunk(0, "", "stop")
+    assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    body = reply.body(["x"], ["length"], {})
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "x"
+    assert Reply.new("completion", "m").body(["y"], ["stop"], {})["choices"][0]["text"] == "y"
+
+
+# ---------------------------------------------------------------- tenants
+
+
+def test_keys_parse_and_authenticate() -> None:
+    keys = parse_keys(["# comment", "", "k1=alpha", "k2 = beta  # trailing"], "file")
+    assert keys == {"k1": "alpha", "k2": "beta"}
+    tenants = Tenants(keys, public_prefix_tokens=16)
+    assert not tenants.is_open and tenants.names == ["alpha", "beta"]
+    assert tenants.authenticate("Bearer k1") == "alpha" and tenants.authenticate("bearer k2") == "beta"
+    assert tenants.authenticate("Bearer k3") is None and tenants.authenticate(None) is None
+    assert tenants.authenticate("Basic k1") is None
+    assert tenants.scope("alpha").public_prefix_tokens == 16
+
+
+@pytest.mark.parametrize("entry", ["novalue", "=t", "k="])
+def test_bad_key_entries_are_refused(entry) -> None:
+    with pytest.raises(ValueError, match="KEY=TENANT"):
+        parse_keys([entry], "env")
+
+
+def test_open_gateway_and_salts() -> None:
+    assert Tenants({}).authenticate(None) == "" and Tenants({}).scope("").cache_salt == ""
+    assert salt_for("a") != salt_for("b") and salt_for("ab") != salt_for("a") and salt_for("a")
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_parse_args_builds_the_config(tmp_path, monkeypatch) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k=t\n")
+    monkeypatch.setenv("GATEWAY_API_KEYS", "e=u")
+    config = parse_args(
+        ["--computed", "a:1,b:2", "--computed", "c:3", "--api-keys-file", str(keys), "--blockd", ""]
+    )
+    assert config.computed == ("a:1", "b:2", "c:3") and config.blockd is None
+    assert dict(config.api_keys) == {"k": "t", "e": "u"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"listen": "8000"},
+        {"computed": ()},
+        {"routing": "random"},
+        {"max_inflight_per_worker": 0},
+        {"computed": ("http://a:1",)},
+    ],
+)
+def test_config_refuses_bad_values(kwargs) -> None:
+    with pytest.raises(ValueError):
+        GatewayConfig(**kwargs)
