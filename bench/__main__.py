@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, str] = {
     "capacity": "bench.capacity",
     "eviction": "bench.eviction_quality",
     "kv_memory": "bench.kv_memory",
+    "tiers": "bench.tiers",
     "gpu": "bench.gpu",
 }
 # Run only when named: peer's install takes minutes and gigabytes (`make bench-peer`); gateway

@@ -84,6 +84,7 @@ class BlockPool:
         counters: PoolCounters,
         host_spec: HostSpec = NO_HOST_TIER,
         demote_min_hits: int = 0,
+        keep_host_copies: bool = False,
     ) -> None:
         self.pool_id = pool_id
         self.num_blocks = num_blocks
@@ -106,6 +107,9 @@ class BlockPool:
         # A block is demoted when it was hit at least this often (0: always; 1: seen
         # twice), or when host-only children depend on it.
         self.demote_min_hits = demote_min_hits
+        # Whether a loaded block keeps its host copy (a later eviction then needs no
+        # copy) or gives it up (the tiers hold more distinct blocks together).
+        self.keep_host_copies = keep_host_copies
         # Copies the worker owes before its next forward; the directory drains them
         # into each StepResult.
         self.demotions: list[tuple[BlockId, HostBlockId]] = []
@@ -466,6 +470,13 @@ class BlockPool:
                     loaded.append(block is kept)
             append(block)
             parent = block
+        if self.host is not None and not self.keep_host_copies:
+            # Exclusive tiers: a loaded block lives in the device pool alone, so the two
+            # tiers together hold more distinct blocks (bench.tiers: the replay's hit rate).
+            for block, was_loaded in zip(reversed(run[:num_stored]), reversed(loaded)):
+                if was_loaded and block.host_refs == 0 and block.num_host_children == 0:
+                    self._drop_host_copy(block)
+            self._emit_tier_events()
         start = 0
         while start < num_stored:  # one STORED or LOADED event per run of either
             end = start + 1
