@@ -67,6 +67,7 @@ class EngineStats:
     busy_seconds: float = 0.0  # wall time of iterations that had work
     num_recoveries: int = 0
     num_blocks_copied: int = 0  # host tier demotions + loads
+    num_bytes_copied: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -249,7 +250,11 @@ class Engine:
         plan = self.scheduler.take_copies()
         if plan:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.copy_blocks, plan)
-            self.stats.num_blocks_copied += len(plan.demotions) + len(plan.loads)
+            num_blocks = len(plan.demotions) + len(plan.loads)
+            self.stats.num_blocks_copied += num_blocks
+            self.stats.num_bytes_copied += (
+                num_blocks * self.runner.pool.num_bytes // self.runner.pool.num_blocks
+            )
 
     async def _step(self, ops: DirectoryOps) -> DirectoryResult | None:
         try:

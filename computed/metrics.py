@@ -53,6 +53,11 @@ class _EngineCollector:
                 s.directory_wait_seconds,
             ),
             ("computed_blockd_recoveries", "Re-registrations with blockd", s.num_recoveries),
+            (
+                "computed_host_tier_bytes_copied",
+                "Bytes copied between the device pool and the host tier (demotions and loads)",
+                s.num_bytes_copied,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         outcomes = CounterMetricFamily(

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvcache.v1 import directory_pb2
-from tests.computed.test_generation import BLOCK, Stack, _stack, hf_greedy, prompt
+from tests.computed.test_generation import BLOCK, Stack, _metric, _stack, hf_greedy, prompt
 from tests.daemons import start_blockd, start_computed
 
 NUM_BLOCKS = 16  # a 4-block prompt plus its decode fit; a second prompt evicts the first
@@ -23,7 +23,16 @@ NUM_BLOCKS = 16  # a 4-block prompt plus its decode fit; a second prompt evicts 
 
 @pytest.fixture(scope="module")
 def tiered(tmp_path_factory):
-    s = _stack(tmp_path_factory, "llama", "--num-blocks", str(NUM_BLOCKS), "--host-kv-memory", "1000000")
+    s = _stack(
+        tmp_path_factory,
+        "llama",
+        "--num-blocks",
+        str(NUM_BLOCKS),
+        "--host-kv-memory",
+        "1000000",
+        "--metrics-port",
+        "0",
+    )
     yield s
     assert s.computed.stop() == 0, s.computed.log()
     assert s.blockd.stop() == 0, s.blockd.log()
@@ -47,6 +56,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(tiered: Stack):
     assert host.tier == directory_pb2.TIER_HOST and host.num_loads >= 4 and host.num_demotions >= 4
     assert host.num_referenced_blocks == 0
     assert host.load_seconds_per_block > 0 and host.recompute_seconds_per_block > host.load_seconds_per_block
+    copied = _metric(tiered, "computed_host_tier_bytes_copied_total")
+    num_copies = host.num_loads + host.num_demotions  # one pool: the worker ran exactly these
+    assert copied > 0 and copied % num_copies == 0, f"{copied} bytes for {num_copies} block copies"
 
 
 def test_flush_empties_both_tiers(tiered: Stack):
