@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 
 from blockd.config import BlockdConfig, DirectoryConfig, TlsConfig
-from blockd.eviction import POLICIES
+from blockd.eviction import POLICY_NAMES
 from blockd.logs import configure_logging
 
 
@@ -69,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--eviction-policy",
-        choices=sorted(POLICIES),
+        choices=POLICY_NAMES,
         default=_env("EVICTION_POLICY", defaults.eviction_policy),
-        help="which unreferenced cached leaf goes first [BLOCKD_EVICTION_POLICY; lru]",
+        help="which unreferenced cached leaf goes first: adaptive (LRU plus a frequency bonus "
+        "learned from evicted blocks that come back), lru, lfu, lfuda; +seen2: blocks used once "
+        f"go first [BLOCKD_EVICTION_POLICY; {defaults.eviction_policy}]",
     )
     parser.add_argument(
         "--demote-min-hits",
