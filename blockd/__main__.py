@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"[BLOCKD_EVENT_LOG_CAPACITY; {defaults.event_log_capacity}]",
     )
     parser.add_argument(
+        "--pin-budget",
+        type=float,
+        metavar="SHARE",
+        default=_env("PIN_BUDGET", str(defaults.pin_budget)),
+        help="most of each pool's blocks that pins may hold, 0..1; a Pin past it is "
+        f"RESOURCE_EXHAUSTED [BLOCKD_PIN_BUDGET; {defaults.pin_budget}]",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         default=_env("READY_FILE"),
@@ -160,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         eviction_policy=args.eviction_policy,
         demote_min_hits=args.demote_min_hits,
         event_log_capacity=args.event_log_capacity,
+        pin_budget=args.pin_budget,
         # Epochs start at the wall clock (ms) so they keep growing across restarts.
         initial_epoch=int(time.time() * 1000),
     )
