@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from bench.belady import ReplayResult
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
-from blockd.types import AdmitOp, CommitOp, Namespace, ReleaseOp
+from blockd.types import AdmitOp, CachePolicy, CommitOp, Namespace, ReleaseOp
 
 
 def replay_directory(
@@ -20,16 +20,23 @@ def replay_directory(
     block_size: int,
     policy: str = "lru",
     commit_limits: Sequence[int] | None = None,
+    read_only: Sequence[bool] | None = None,
 ) -> ReplayResult:
     """`commit_limits[i]`: commit only request i's blocks within its first that many tokens
-    (a diagnostic: what the policy would do if unique suffixes were never cached)."""
+    (a diagnostic: what the policy would do if unique suffixes were never cached).
+    `read_only[i]`: request i is sent with cache_policy READ_ONLY (its hits are used,
+    its new blocks are never indexed), as a client that knows it is a one-off would."""
     directory = BlockDirectory(DirectoryConfig(eviction_policy=policy), clock=lambda: 0.0)
     reg = directory.register_pool(num_blocks, block_size, Namespace("bench-eviction"), "sim:0")
     pool, epoch = reg.pool_id, reg.epoch
     hit_tokens = queried = 0
     hits_of: list[int] = []
     for seq_id, prompt in enumerate(trace):
-        result = directory.step(pool, epoch, admits=[AdmitOp(seq_id, prompt)]).admits[0]
+        cache_policy = (
+            CachePolicy.READ_ONLY if read_only is not None and read_only[seq_id] else CachePolicy.STORE
+        )
+        admit = AdmitOp(seq_id, prompt, cache_policy=cache_policy)
+        result = directory.step(pool, epoch, admits=[admit]).admits[0]
         assert result.admitted, "one request at a time always fits a pool larger than a prompt"
         first = result.num_cached_tokens // block_size
         limit = len(prompt) if commit_limits is None else min(len(prompt), commit_limits[seq_id])

@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 
 from blockd.config import BlockdConfig, DirectoryConfig, TlsConfig
-from blockd.eviction import POLICIES
+from blockd.eviction import POLICY_NAMES
 from blockd.logs import configure_logging
 
 
@@ -69,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--eviction-policy",
-        choices=sorted(POLICIES),
+        choices=POLICY_NAMES,
         default=_env("EVICTION_POLICY", defaults.eviction_policy),
-        help="which unreferenced cached leaf goes first [BLOCKD_EVICTION_POLICY; lru]",
+        help="which unreferenced cached leaf goes first: adaptive (LRU plus a frequency bonus "
+        "learned from evicted blocks that come back), lru, lfu, lfuda; +seen2: blocks used once "
+        f"go first [BLOCKD_EVICTION_POLICY; {defaults.eviction_policy}]",
     )
     parser.add_argument(
         "--demote-min-hits",
@@ -88,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("EVENT_LOG_CAPACITY", str(defaults.event_log_capacity)),
         help="events kept for WatchEvents replay; an older resume point gets a GAP "
         f"[BLOCKD_EVENT_LOG_CAPACITY; {defaults.event_log_capacity}]",
+    )
+    parser.add_argument(
+        "--pin-budget",
+        type=float,
+        metavar="SHARE",
+        default=_env("PIN_BUDGET", str(defaults.pin_budget)),
+        help="most of each pool's blocks that pins may hold, 0..1; a Pin past it is "
+        f"RESOURCE_EXHAUSTED [BLOCKD_PIN_BUDGET; {defaults.pin_budget}]",
     )
     parser.add_argument(
         "--ready-file",
@@ -158,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         eviction_policy=args.eviction_policy,
         demote_min_hits=args.demote_min_hits,
         event_log_capacity=args.event_log_capacity,
+        pin_budget=args.pin_budget,
         # Epochs start at the wall clock (ms) so they keep growing across restarts.
         initial_epoch=int(time.time() * 1000),
     )

@@ -8,7 +8,7 @@ handful of list operations).
 
 from __future__ import annotations
 
-from blockd.types import BlockHash, BlockId, HostBlockId, SequenceId
+from blockd.types import BlockHash, BlockId, CachePolicy, HostBlockId, SequenceId
 
 
 class Block:
@@ -58,10 +58,12 @@ class Block:
         "num_cached_children",
         "num_hits",
         "num_host_children",
+        "num_seen",
         "parent",
         "payload",
         "pin_count",
         "ref_count",
+        "retention",
         "token_bytes",
     )
 
@@ -91,6 +93,12 @@ class Block:
         self.is_cached = False
         self.last_tick = 0  # logical time of the last release/unpin (LRU recency)
         self.num_hits = 0  # verified hits (LFU frequency)
+        # Uses before the first hit: its commit, plus the uses the pool's ghost table
+        # remembered for this hash from before an eviction (the "seen count" a
+        # seen-twice admission rule reads: num_seen + num_hits >= 2).
+        self.num_seen = 1
+        # Retention priority 1..100 (0: unset), the highest any releasing request asked.
+        self.retention = 0
         self.heap_key: int | None = None  # key of its valid entry in the evictable heap
         self.host_block_id: HostBlockId | None = None
         self.host_refs = 0
@@ -126,8 +134,10 @@ class Sequence:
 
     __slots__ = (
         "block_ids",
+        "cache_policy",
         "committed",
         "loading",
+        "retention",
         "salt",
         "salt_block",
         "sequence_id",
@@ -142,6 +152,8 @@ class Sequence:
         token_bytes: bytes,
         salt: str,
         salt_block: int | None,
+        cache_policy: CachePolicy = CachePolicy.STORE,
+        retention: int = 0,
     ) -> None:
         self.sequence_id = sequence_id
         self.block_ids = block_ids
@@ -152,6 +164,8 @@ class Sequence:
         # Host-only records this sequence copies into block_ids[num_committed:] (each
         # holds one host_ref until its commit or the sequence's release).
         self.loading: list[Block] = []
+        self.cache_policy = cache_policy  # STORE: its committed blocks are indexed
+        self.retention = retention  # stamped on its blocks at release (0: unset)
 
     @property
     def num_committed(self) -> int:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockd.eviction import POLICIES
+from blockd.eviction import DEFAULT_POLICY, POLICY_NAMES
 
 MAX_POOL_BLOCKS = 16_777_216
 MAX_BLOCK_SIZE = 1024
@@ -21,10 +21,17 @@ class DirectoryConfig:
     max_sequence_tokens: int = 131_072
     # A lease lapses this long after the worker's last RegisterPool/RenewLease/Step.
     lease_ttl_seconds: float = 10.0
-    eviction_policy: str = "lru"
     # A device eviction demotes a block to its worker's host tier when it was hit at
     # least this often (0: every evicted block; 1: seen twice, i.e. not a one-off).
     demote_min_hits: int = 0
+    eviction_policy: str = DEFAULT_POLICY
+    # Hashes each pool remembers after they leave its index (blockd.ghosts): for miss
+    # reasons and the uses a recommitted block gets back. Per block of the pool, capped.
+    ghosts_per_block: float = 2.0
+    max_ghosts: int = 1_048_576
+    # At most this share of each pool's blocks may be pinned (Pin answers
+    # RESOURCE_EXHAUSTED past it), so pins never starve the requests.
+    pin_budget: float = 0.5
     # Events kept for WatchEvents replay; older ones are answered with a GAP.
     event_log_capacity: int = 10_000
     # ... and at most this many bytes of them (STORED events carry their tokens).
@@ -48,10 +55,14 @@ class DirectoryConfig:
             raise ValueError(f"max_sequence_tokens must be 1 .. 16777216, got {self.max_sequence_tokens}")
         if not (math.isfinite(self.lease_ttl_seconds) and 0 < self.lease_ttl_seconds <= 86_400):
             raise ValueError(f"lease_ttl_seconds must be in (0, 86400], got {self.lease_ttl_seconds}")
-        if self.eviction_policy not in POLICIES:
-            raise ValueError(
-                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
-            )
+        if self.eviction_policy not in POLICY_NAMES:
+            raise ValueError(f"eviction_policy must be one of {POLICY_NAMES}, got {self.eviction_policy!r}")
+        if not (math.isfinite(self.ghosts_per_block) and 0 <= self.ghosts_per_block <= 64):
+            raise ValueError(f"ghosts_per_block must be in [0, 64], got {self.ghosts_per_block}")
+        if self.max_ghosts < 0:
+            raise ValueError(f"max_ghosts must be >= 0, got {self.max_ghosts}")
+        if not (math.isfinite(self.pin_budget) and 0 <= self.pin_budget <= 1):
+            raise ValueError(f"pin_budget must be in [0, 1], got {self.pin_budget}")
         if self.event_log_capacity < 1:
             raise ValueError(f"event_log_capacity must be >= 1, got {self.event_log_capacity}")
         if self.demote_min_hits < 0:

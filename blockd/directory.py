@@ -20,6 +20,7 @@ from blockd import queries
 from blockd.config import DirectoryConfig
 from blockd.events import EventKind, EventLog
 from blockd.eviction import make_policy
+from blockd.ghosts import GhostTable, ghost_capacity
 from blockd.hashing import DEFAULT_HASHER, BlockHasher
 from blockd.leases import PoolLeases, PoolSlot
 from blockd.pins import PinTable
@@ -33,6 +34,7 @@ from blockd.types import (
     FlushResult,
     GrowOp,
     HostSpec,
+    MissExplanation,
     Namespace,
     PinId,
     PinResult,
@@ -134,7 +136,7 @@ class BlockDirectory:
         for sequence_id in plan.releases:
             pool.release(sequence_id)
         grown = tuple(pool.grow(sequence_id, num_tokens) for sequence_id, num_tokens in plan.grows)
-        admitted = tuple(pool.admit(sequence_id, prompt) for sequence_id, prompt in plan.admits)
+        admitted = tuple(pool.admit(*admit) for admit in plan.admits)
         pool.leaves.compact(pool.num_evictable)
         demotions: tuple = ()
         if pool.host is not None:
@@ -234,13 +236,33 @@ class BlockDirectory:
         ttl_seconds = checked_pin_ttl(ttl_seconds)
         max_tokens = self.config.max_sequence_tokens
         prompt = make_prompt(token_ids, cache_salt, public_prefix_tokens, max_tokens, "pin")
-        pin = self._pins.pin(self._leases.live(pool_id), prompt, self._clock() + ttl_seconds)
+        live = self._leases.live(pool_id)
+        pin = self._pins.pin(live, prompt, self._clock() + ttl_seconds, self.config.pin_budget)
         num_tokens = sum(len(blocks) * self._slots[pid].pool.block_size for pid, blocks in pin.blocks.items())
         return PinResult(pin.pin_id, num_tokens, pin.num_blocks, ttl_seconds)
 
     def unpin(self, pin_id: PinId) -> int:
         """Drop a pin; answers how many blocks it still held."""
         return self._pins.unpin(pin_id, self._slots)
+
+    def unpin_all(self) -> tuple[int, int]:
+        """Drop every pin; answers (pins, blocks they still held)."""
+        pin_ids = self._pins.ids()
+        return len(pin_ids), sum(self._pins.unpin(pin_id, self._slots) for pin_id in pin_ids)
+
+    def explain_miss(
+        self,
+        token_ids: Seq[int],
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        pool_id: PoolId | None = None,
+    ) -> tuple[MissExplanation, ...]:
+        """Why each live pool (or one) does not hold the prompt past its cached prefix:
+        the reason of the first missing block (blockd.ghosts), and the partial tail."""
+        max_tokens = self.config.max_sequence_tokens
+        prompt = make_prompt(token_ids, cache_salt, public_prefix_tokens, max_tokens, "explain")
+        slots = self._leases.live(pool_id)
+        return tuple(queries.explain(slots, self._leases.live(), prompt, self._clock()))
 
     def expire_pins(self) -> list[PinId]:
         expired = self._pins.expired(self._clock())
@@ -260,7 +282,10 @@ class BlockDirectory:
         host: HostSpec,
     ) -> BlockPool:
         seed = self._hasher.namespace_seed(namespace, block_size)
-        policy = make_policy(self.config.eviction_policy)
+        config = self.config
+        policy = make_policy(config.eviction_policy)
+        capacity = ghost_capacity(num_blocks, config.ghosts_per_block, config.max_ghosts)
+        ghosts = GhostTable(capacity, self._clock, policy.returned)
         return BlockPool(
             pool_id,
             num_blocks,
@@ -271,7 +296,8 @@ class BlockDirectory:
             self.events,
             counters,
             host,
-            self.config.demote_min_hits,
+            config.demote_min_hits,
+            ghosts=ghosts,
         )
 
     def _on_reset(self, pool_id: PoolId) -> None:

@@ -4,47 +4,239 @@ Only *leaves* are candidates: cached, unreferenced, with no cached child. Evicti
 leaf can turn its parent into a leaf, which then joins the heap, so a chain is
 eaten tail first and no cached block is ever left without its parent.
 
-A policy is a one-method object, `priority(block)`; the smallest priority is
-evicted first. Policies come from `POLICIES` by name.
+A policy is a small object: `priority(block)` (the smallest priority is evicted
+first), computed once when the leaf enters the heap; `evicted(priority)`, told
+the priority of each block the heap gives up (aging policies keep their clock
+there); and `returned(num_uses)`, told when a hash the pool's ghost table remembers
+is committed again (blockd.ghosts), with the uses it had when it left. Policies come
+from `POLICIES` by name; each pool has its own instance.
+
+Every policy here is O(1) per priority, so push and pop stay O(log n). None of them
+acts without pressure: the pool asks for a victim only when it has no free block.
+
+Retention priority (`Block.retention`, 1..100, TensorRT-LLM's scale; 0 = unset =
+`DEFAULT_RETENTION`) is weighed by every policy: `lru` ranks by it first, as
+TensorRT-LLM does; `lfu` and `lfuda` scale a block's value by retention ÷ default;
+`adaptive` lengthens (or shortens) a block's life by log2(retention ÷ default)
+horizons.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from itertools import count
 from typing import Protocol
 
 from blockd.block import Block
 
+Priority = tuple[float, ...]
+
+DEFAULT_RETENTION = 35  # TensorRT-LLM's default KV retention priority
+MAX_RETENTION = 100
+
+
+def retention_weight(block: Block) -> float:
+    """The block's retention priority relative to the default: 1.0 when unset."""
+    return (block.retention or DEFAULT_RETENTION) / DEFAULT_RETENTION
+
 
 class EvictionPolicy(Protocol):
-    def priority(self, block: Block) -> tuple[int, ...]: ...
+    name: str
+
+    def priority(self, block: Block) -> Priority: ...
+
+    def evicted(self, priority: Priority) -> None: ...
+
+    def returned(self, num_uses: int) -> None: ...
 
 
 class LruPolicy:
-    """Least recently released first. A release stamps one tick on the sequence's
-    whole chain, so a parent is never newer than its children."""
+    """Least recently released first, lower retention priority before higher (a
+    strict class order, as TensorRT-LLM's priority-based eviction). A release stamps
+    one tick on the sequence's whole chain, so a parent is never newer than its
+    children."""
 
-    def priority(self, block: Block) -> tuple[int, ...]:
-        return (block.last_tick,)
+    name = "lru"
+
+    def priority(self, block: Block) -> Priority:
+        if block.retention:
+            return (block.retention, block.last_tick)
+        return (DEFAULT_RETENTION, block.last_tick)
+
+    def evicted(self, priority: Priority) -> None:
+        pass
+
+    def returned(self, num_uses: int) -> None:
+        pass
 
 
 class LfuPolicy:
-    """Fewest verified hits first, least recently released among equals."""
+    """Fewest verified hits first (scaled by retention), least recently released among
+    equals. No aging: a block hot long ago outlives a block hot now."""
 
-    def priority(self, block: Block) -> tuple[int, ...]:
+    name = "lfu"
+
+    def priority(self, block: Block) -> Priority:
+        if block.retention:
+            # uses (hits + the commit) scaled, on the scale of hits
+            return ((block.num_hits + 1) * retention_weight(block) - 1, block.last_tick)
         return (block.num_hits, block.last_tick)
 
+    def evicted(self, priority: Priority) -> None:
+        pass
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LruPolicy, "lfu": LfuPolicy}
+    def returned(self, num_uses: int) -> None:
+        pass
+
+
+class LfuDaPolicy:
+    """LFU with dynamic aging (Arlitt et al., LFU-DA; GDSF with equal sizes and costs):
+    a block's value is `age + uses × weight`, where `age` is the value of the last
+    block evicted and `uses` its verified hits plus the commit that made it (plus the
+    uses the ghost table remembers from before an eviction, `Block.num_seen`). Every
+    block that enters the heap later starts from a higher `age`, so frequency earned
+    long ago is worth less than frequency earned now: hot families stay, stale ones
+    age out, and one-off blocks (one use) go first. Ties: least recently released.
+
+    `age` only grows (it is the value of a victim, and every value in the heap is at
+    least the age it was computed with), so priorities of old entries stay comparable
+    with new ones: O(1) per priority, no re-keying."""
+
+    name = "lfuda"
+
+    def __init__(self) -> None:
+        self.age = 0.0
+
+    def priority(self, block: Block) -> Priority:
+        uses = block.num_seen + block.num_hits
+        if block.retention:
+            return (self.age + uses * retention_weight(block), block.last_tick)
+        return (self.age + uses, block.last_tick)
+
+    def evicted(self, priority: Priority) -> None:
+        self.age = max(self.age, priority[0])
+
+    def returned(self, num_uses: int) -> None:
+        pass
+
+
+class AdaptivePolicy:
+    """LRU, plus a frequency bonus only where frequency has been seen to predict reuse.
+
+    A block's priority is `last_tick + horizon × bonus[class]`: least recently
+    released first, except that a block of a use class (1, 2, 3, 4, 5+ uses: commits
+    and hits, ghost-remembered ones included) whose evicted blocks have come back more
+    often than one-use blocks' lives `log2(ratio) - MARGIN` horizons longer (capped).
+    Return rates are learned from the ghost table (ARC's and S3-FIFO's signal): per
+    class, evictions (`evicted`) against ghost hits (`returned`), decayed so the
+    policy follows a changing workload. `horizon` is how long a one-use block survives
+    (an average of now - last_tick of one-use victims, in release ticks).
+
+    Measured (bench.eviction_quality): on chats, where a block's next use does not
+    depend on how often it was used, every class returns at the same rate, no bonus
+    is earned and the policy is LRU (which is near optimal there); under Zipf
+    popularity or one-off floods, hot prefixes return far more often than one-use
+    suffixes, and earn lives long enough to survive between their uses (LFU's gain).
+    Until evictions have taught it otherwise (a prior of equal rates), it is LRU.
+
+    O(1) per priority and per event (NUM_CLASSES counters); the bonus table is
+    recomputed on each eviction. Entries already in the heap keep the bonus they were
+    pushed with: they are comparable with new ones because both are times."""
+
+    name = "adaptive"
+    NUM_CLASSES = 5  # uses 1, 2, 3, 4, 5+
+    DECAY = 1 - 1 / 20_000  # per eviction: the rates reflect the last ~20k evictions
+    PRIOR = 20.0  # pseudo-evictions per class at the one-use return rate
+    MARGIN = 0.5  # log2 ratio a class must pass before it earns a bonus (noise)
+    MAX_BONUS = 8.0  # horizons
+    HORIZON_WINDOW = 64  # one-use victims averaged into `horizon`
+    MIN_HORIZON = 16.0  # ticks: the unit of retention priority before a horizon is known
+
+    def __init__(self) -> None:
+        self.now = 0  # the latest release tick seen
+        self.horizon = 0.0
+        self.evictions = [0.0] * self.NUM_CLASSES
+        self.returns = [0.0] * self.NUM_CLASSES
+        self.bonus = [0.0] * self.NUM_CLASSES
+
+    def priority(self, block: Block) -> Priority:
+        uses = block.num_seen + block.num_hits
+        tick = block.last_tick
+        self.now = max(self.now, tick)
+        value = tick + self.horizon * self.bonus[min(uses, self.NUM_CLASSES) - 1]
+        if block.retention:  # before the first evictions there is no horizon: a floor
+            value += max(self.horizon, self.MIN_HORIZON) * math.log2(retention_weight(block))
+        return (value, tick, uses)
+
+    def evicted(self, priority: Priority) -> None:
+        _, tick, uses = priority
+        cls = min(int(uses), self.NUM_CLASSES) - 1
+        evictions, returns, decay = self.evictions, self.returns, self.DECAY
+        for i in range(self.NUM_CLASSES):
+            evictions[i] *= decay
+            returns[i] *= decay
+        evictions[cls] += 1
+        if cls == 0:
+            self.horizon += (self.now - tick - self.horizon) / self.HORIZON_WINDOW
+        self._update()
+
+    def returned(self, num_uses: int) -> None:
+        self.returns[min(num_uses, self.NUM_CLASSES) - 1] += 1
+
+    def _update(self) -> None:
+        # Each class's rate is shrunk toward the one-use rate by PRIOR pseudo-evictions,
+        # so a class with few evictions (little evidence) earns no bonus: measured,
+        # this keeps the chat trace at lru's hit rate where a prior of 1/2 lost 2%.
+        base = (self.returns[0] + 1) / (self.evictions[0] + 2)
+        prior, margin, cap = self.PRIOR, self.MARGIN, self.MAX_BONUS
+        self.bonus = [
+            min(cap, max(0.0, math.log2((r + prior * base) / (e + prior) / base) - margin))
+            for r, e in zip(self.returns, self.evictions)
+        ]
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "adaptive": AdaptivePolicy,
+    "lru": LruPolicy,
+    "lfu": LfuPolicy,
+    "lfuda": LfuDaPolicy,
+}
+DEFAULT_POLICY = "adaptive"  # measured: bench.eviction_quality (BENCHMARKS.md, section 6)
+SEEN_TWICE = "+seen2"  # suffix: the policy under the seen-twice admission rule (SeenTwice)
+
+
+class SeenTwice:
+    """The seen-twice admission rule over a policy, for one tier: a block used once
+    (its commit, no hit, no remembered use) is on probation and evicted before any
+    block used twice, in the inner policy's order within each group (2Q's and
+    S3-FIFO's probation queue, unbounded). A benchmark variant (`lru+seen2`, ...):
+    with tiers, the rule decides what is demoted instead."""
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name + SEEN_TWICE
+
+    def priority(self, block: Block) -> Priority:
+        return (min(block.num_seen + block.num_hits, 2), *self.inner.priority(block))
+
+    def evicted(self, priority: Priority) -> None:
+        self.inner.evicted(priority[1:])
+
+    def returned(self, num_uses: int) -> None:
+        self.inner.returned(num_uses)
+
+
+POLICY_NAMES = sorted(POLICIES) + sorted(name + SEEN_TWICE for name in POLICIES)
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    base = name.removesuffix(SEEN_TWICE)
+    if base not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICY_NAMES}")
+    policy = POLICIES[base]()
+    return SeenTwice(policy) if name != base else policy
 
 
 class EvictableLeaves:
@@ -60,11 +252,15 @@ class EvictableLeaves:
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._policy = policy
-        self._heap: list[tuple[tuple[int, ...], int, Block]] = []
+        self._heap: list[tuple[Priority, int, Block]] = []
         self._keys = count()
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
 
     def push(self, block: Block) -> None:
         assert block.is_evictable_leaf, f"only evictable leaves enter the heap: {block}"
@@ -73,24 +269,35 @@ class EvictableLeaves:
         heapq.heappush(self._heap, (self._policy.priority(block), key, block))
 
     @property
-    def priority(self) -> Callable[[Block], tuple[int, ...]]:
+    def priority(self) -> Callable[[Block], Priority]:
         """The policy's priority function (smallest evicted first)."""
         return self._policy.priority
 
-    def first_priority(self) -> tuple[int, ...] | None:
+    def first_priority(self) -> Priority | None:
         """The smallest priority in the heap (None when empty). A stale entry may hold
         it, so a block whose priority is below it would be popped first if pushed (a
         pushed block loses ties: its key is the newest), and the heap can skip it."""
         heap = self._heap
         return heap[0][0] if heap else None
 
+    def takes_next(self, block: Block, bar: Priority | None) -> bool:
+        """Whether `block`, an evictable leaf not in the heap, would be popped next if
+        pushed now (its priority is below `bar`, the heap's first; None: an empty heap);
+        if so it counts as evicted for the policy, exactly as a pop would."""
+        priority = self._policy.priority(block)
+        if bar is not None and not priority < bar:
+            return False
+        self._policy.evicted(priority)
+        return True
+
     def pop(self) -> Block | None:
         """The evictable leaf of smallest priority, or None when there is none."""
         heap = self._heap
         while heap:
-            _, key, block = heapq.heappop(heap)
+            priority, key, block = heapq.heappop(heap)
             if block.heap_key == key and block.is_evictable_leaf:
                 block.heap_key = None
+                self._policy.evicted(priority)
                 return block
         return None
 

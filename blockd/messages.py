@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from blockd.events import BlockEvent, EventKind
+from blockd.ghosts import MissReason
 from blockd.hashing import tokens_of
 from blockd.types import (
     AdmitOp,
     BlockInfo,
+    CachePolicy,
     CommitOp,
     GrowOp,
+    InvalidArgument,
+    MissExplanation,
     Namespace,
     PoolInfo,
     PoolMatch,
@@ -18,7 +22,16 @@ from blockd.types import (
     Tier,
     TierStats,
 )
+from kvcache.v1 import cache_policy_pb2 as cache_pb
 from kvcache.v1 import directory_pb2 as pb
+
+CACHE_POLICIES = {
+    cache_pb.CACHE_POLICY_UNSPECIFIED: CachePolicy.STORE,
+    cache_pb.CACHE_POLICY_STORE: CachePolicy.STORE,
+    cache_pb.CACHE_POLICY_READ_ONLY: CachePolicy.READ_ONLY,
+    cache_pb.CACHE_POLICY_NONE: CachePolicy.NONE,
+}
+MISS_REASONS = {reason.value: getattr(pb, f"MISS_REASON_{reason.name}") for reason in MissReason}
 
 # ------------------------------------------------------------------ requests
 
@@ -35,10 +48,27 @@ def step_ops_from(
         [ReleaseOp(op.sequence_id) for op in request.releases],
         [GrowOp(op.sequence_id, op.num_tokens) for op in request.grows],
         [
-            AdmitOp(op.sequence_id, op.token_ids, op.cache_salt, op.public_prefix_tokens)
+            AdmitOp(
+                op.sequence_id,
+                op.token_ids,
+                op.cache_salt,
+                op.public_prefix_tokens,
+                cache_policy_from(op.cache_policy, f"admit of sequence {op.sequence_id}"),
+                op.retention_priority,
+            )
             for op in request.admits
         ],
     )
+
+
+def cache_policy_from(value: int, what: str) -> CachePolicy:
+    policy = CACHE_POLICIES.get(value)
+    if policy is None:
+        raise InvalidArgument(
+            f"{what}: cache_policy {value} is not one of CACHE_POLICY_STORE (1), CACHE_POLICY_READ_ONLY "
+            f"(2), CACHE_POLICY_NONE (3)"
+        )
+    return policy
 
 
 def resync_sequences_from(request: pb.ResyncRequest) -> list[ResyncSequence]:
@@ -76,6 +106,13 @@ def pool_stats_to(stats: PoolStats) -> pb.PoolStats:
         num_evictions=stats.num_evictions,
         num_admissions=stats.num_admissions,
         num_admissions_deferred=stats.num_admissions_deferred,
+        miss_tokens=[
+            pb.MissTokens(reason=MISS_REASONS[reason], num_tokens=num_tokens)
+            for reason, num_tokens in stats.miss_tokens
+        ],
+        num_ghosts=stats.num_ghosts,
+        max_ghosts=stats.max_ghosts,
+        eviction_policy=stats.eviction_policy,
         host=tier_stats_to(stats.host) if stats.host is not None else None,
     )
 
@@ -160,4 +197,19 @@ def event_to(event: BlockEvent) -> pb.WatchEventsResponse:
         token_ids=tokens_of(event.token_bytes),
         block_ids=event.block_ids,
         tier=TIERS[event.tier] if event.kind is not EventKind.GAP and event.pool_id else pb.TIER_UNSPECIFIED,
+    )
+
+
+def explanation_to(explanation: MissExplanation) -> pb.MissExplanation:
+    return pb.MissExplanation(
+        pool_id=explanation.pool_id,
+        worker_address=explanation.worker_address,
+        num_cached_tokens=explanation.num_cached_tokens,
+        reason=MISS_REASONS[explanation.reason] if explanation.reason else pb.MISS_REASON_UNSPECIFIED,
+        num_missed_tokens=explanation.num_missed_tokens,
+        num_partial_tokens=explanation.num_partial_tokens,
+        first_missing_block=explanation.first_missing_block,
+        evicted_by=explanation.evicted_by,
+        seconds_ago=explanation.seconds_ago,
+        other_pool_ids=explanation.other_pool_ids,
     )

@@ -89,6 +89,20 @@ class DirectoryCollector(Collector):
                 for pool in tiered:
                     family.add_metric([pool.pool_id or "", "host"], getattr(pool.host, field))
                 yield family
+        misses = CounterMetricFamily(
+            "kvcache_prefix_cache_misses",
+            "Admitted prompt tokens not served from the prefix cache, by reason (kvctl why)",
+            labels=["pool_id", "reason"],
+        )
+        ghosts = GaugeMetricFamily(
+            "kvcache_ghosts", "Block hashes remembered after they left the index", labels=["pool_id"]
+        )
+        for pool in stats:
+            for reason, num_tokens in pool.miss_tokens:
+                misses.add_metric([pool.pool_id or "", reason], num_tokens)
+            ghosts.add_metric([pool.pool_id or ""], pool.num_ghosts)
+        yield misses
+        yield ghosts
         live = GaugeMetricFamily("kvcache_pools_live", "Pools whose lease is alive")
         live.add_metric([], sum(1 for info in self._directory.list_pools() if info.is_live))
         yield live

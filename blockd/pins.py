@@ -1,7 +1,9 @@
 """Pins: references an operator holds on a cached prefix until a deadline.
 
 A pin holds one reference on each block it pinned (`pool.pin`), so a pinned block
-is never evicted while its pin lives. A pool that is reset (lease lapsed, registered
+is never evicted while its pin lives. Pinned blocks of a pool may not pass its pin
+budget (a share of its blocks), so pins can never starve the requests; a pin of a
+prompt with nothing cached is refused (it would hold nothing). A pool that is reset (lease lapsed, registered
 again, resynced) loses its blocks with their references, so `forget_pool` drops that
 pool's part of every pin instead of unpinning it.
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from blockd.block import Block
 from blockd.leases import PoolSlot
 from blockd.prompt import Prompt
-from blockd.types import NotFound, PinId, PoolId
+from blockd.types import NotCached, NotFound, PinId, PoolId, ResourceExhausted
 
 
 @dataclass
@@ -41,14 +43,39 @@ class PinTable:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, slots: Iterable[PoolSlot], prompt: Prompt, expires_at: float) -> Pin:
-        """Reference the currently cached blocks of the prompt's prefix in each pool."""
+    def pin(self, slots: Iterable[PoolSlot], prompt: Prompt, expires_at: float, budget: float = 1.0) -> Pin:
+        """Reference the currently cached blocks of the prompt's prefix in each pool.
+        Checked first, for every pool: something is cached somewhere (NotCached), and no
+        pool passes `budget` × its blocks pinned (ResourceExhausted); then applied."""
+        slots = list(slots)
         held: dict[PoolId, list[Block]] = {}
         for slot in slots:
-            hits = slot.pool.match(prompt)
-            if hits:
-                slot.pool.pin(hits)
-                held[slot.pool.pool_id] = hits
+            pool = slot.pool
+            hits = pool.match(prompt)
+            if not hits:
+                continue
+            limit = int(budget * pool.num_blocks)
+            pinned = pool.num_pinned + sum(1 for block in hits if not block.pin_count)
+            if pinned > limit:
+                raise ResourceExhausted(
+                    f"pin: pool {pool.pool_id!r} would have {pinned} of its {pool.num_blocks} blocks "
+                    f"pinned, past its pin budget of {limit} ({budget:.0%}); unpin something "
+                    f"(kvctl unpin PIN_ID, or --all) or pin a shorter prefix"
+                )
+            held[pool.pool_id] = hits
+        if not held:
+            where = (
+                f"pool {slots[0].pool.pool_id!r}"
+                if len(slots) == 1
+                else f"any of the {len(slots)} live pools"
+            )
+            raise NotCached(
+                f"pin: no block of this prompt is cached in {where}, so there is nothing to pin; "
+                f"send it once (kvctl generate), then pin it (kvctl why explains a miss)"
+            )
+        for slot in slots:
+            if slot.pool.pool_id in held:
+                slot.pool.pin(held[slot.pool.pool_id])
         pin_id = PinId(f"pin-{secrets.token_hex(8)}")
         assert pin_id not in self._pins, "pin id collision"
         pin = Pin(pin_id, expires_at, held)
@@ -63,6 +90,9 @@ class PinTable:
         for pool_id, blocks in pin.blocks.items():
             slots[pool_id].pool.unpin(blocks)
         return pin.num_blocks
+
+    def ids(self) -> list[PinId]:
+        return list(self._pins)
 
     def expired(self, now: float) -> list[PinId]:
         return [pin.pin_id for pin in self._pins.values() if pin.expires_at <= now]

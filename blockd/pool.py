@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
-from blockd.eviction import EvictableLeaves, EvictionPolicy
+from blockd.eviction import EvictableLeaves, EvictionPolicy, make_policy
+from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
 from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.host_tier import HostCounters, HostTier
 from blockd.prompt import Prompt
@@ -37,6 +38,7 @@ from blockd.types import (
     AdmitResult,
     BlockHash,
     BlockId,
+    CachePolicy,
     GrowResult,
     HostBlockId,
     HostSpec,
@@ -58,6 +60,8 @@ class PoolCounters:
     num_admissions: int = 0
     num_admissions_deferred: int = 0
     host: HostCounters = field(default_factory=HostCounters)
+    # Uncached prompt tokens of admissions by `MissReason` value (blockd.ghosts).
+    miss_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,7 @@ class BlockPool:
         host_spec: HostSpec = NO_HOST_TIER,
         demote_min_hits: int = 0,
         keep_host_copies: bool = False,
+        ghosts: GhostTable | None = None,
     ) -> None:
         self.pool_id = pool_id
         self.num_blocks = num_blocks
@@ -103,7 +108,11 @@ class BlockPool:
         self._events = events
         self._tick = 0  # logical clock for recency
         self.host_spec = host_spec
-        self.host = HostTier(host_spec, block_size, policy, counters.host) if host_spec.num_blocks else None
+        # its own policy instance: a stateful policy (adaptive, lfuda) learns from device evictions only
+        host_policy = make_policy(policy.name)
+        self.host = (
+            HostTier(host_spec, block_size, host_policy, counters.host) if host_spec.num_blocks else None
+        )
         # A block is demoted when it was hit at least this often (0: always; 1: seen
         # twice), or when host-only children depend on it.
         self.demote_min_hits = demote_min_hits
@@ -115,6 +124,9 @@ class BlockPool:
         self.demotions: list[tuple[BlockId, HostBlockId]] = []
         self._demoted: list[Block] = []  # for the DEMOTED event of the current op
         self._host_dropped: list[tuple[Block, HostBlockId]] = []  # for the host REMOVED event
+        # Hashes that left the index (bounded; without one, nothing is remembered).
+        self.ghosts = ghosts if ghosts is not None else GhostTable(0, lambda: 0.0)
+        self.last_miss: Miss | None = None  # the last admission's classification
 
     # ------------------------------------------------------------ queries
 
@@ -182,16 +194,26 @@ class BlockPool:
 
     # ------------------------------------------------------------ step ops
 
-    def admit(self, sequence_id: SequenceId, prompt: Prompt) -> AdmitResult:
+    def admit(
+        self,
+        sequence_id: SequenceId,
+        prompt: Prompt,
+        cache_policy: CachePolicy = CachePolicy.STORE,
+        retention: int = 0,
+    ) -> AdmitResult:
         """Reference the verified hits, then allocate the misses (evicting if needed),
         so the allocation can never evict a block this admission reuses. Without
-        enough free + evictable blocks nothing changes and admitted is False."""
+        enough free + evictable blocks nothing changes and admitted is False.
+        `cache_policy` NONE looks nothing up (no hits); READ_ONLY and NONE sequences
+        never index their blocks (`commit`). `retention` is stamped at release."""
         num_tokens = prompt.num_tokens
-        hits, host_hits = self.match_tiers(prompt)
+        hits, host_hits = self.match_tiers(prompt) if cache_policy is not CachePolicy.NONE else ([], [])
         host = self.host
+        not_loaded = False  # host hits left behind: loading them was estimated slower
         if host_hits and not host.pays_to_load(len(host_hits)):  # type: ignore[union-attr]
             host.counters.num_loads_skipped += 1  # type: ignore[union-attr]
             host_hits = []
+            not_loaded = True
         num_missing = self.num_blocks_for(num_tokens) - len(hits)
         available = len(self.free) + self.num_evictable
         # Referencing an unreferenced hit takes it from the evictable blocks; count those
@@ -213,7 +235,9 @@ class BlockPool:
         block_ids += self._allocate(num_missing)
         self._emit_tier_events()
         salt_block = prompt.salt_block(self.block_size)
-        sequence = Sequence(sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block)
+        sequence = Sequence(
+            sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block, cache_policy, retention
+        )
         self.sequences[sequence_id] = sequence
         loads: tuple[tuple[BlockId, HostBlockId], ...] = ()
         if host_hits:
@@ -230,6 +254,13 @@ class BlockPool:
         counters.num_admissions += 1
         counters.queried_tokens += num_tokens
         counters.hit_tokens += num_cached_tokens
+        if num_cached_tokens < num_tokens:
+            miss = self.explain(prompt, hits + host_hits, cache_policy)
+            if not_loaded and miss.reason is not None:
+                miss = Miss(
+                    MissReason.NOT_LOADED, miss.num_tokens, miss.num_partial_tokens, miss.first_missing_block
+                )
+            self._count_miss(miss)
         return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens, loads)
 
     def grow(self, sequence_id: SequenceId, num_tokens: int) -> GrowResult:
@@ -246,7 +277,9 @@ class BlockPool:
 
     def commit(self, sequence_id: SequenceId, block_ids: list[BlockId], data: bytes) -> None:
         """Make the sequence's next uncommitted blocks findable (validated: they are the
-        run from its first uncommitted block and `data` is exactly their tokens)."""
+        run from its first uncommitted block and `data` is exactly their tokens), unless
+        its cache_policy is not STORE: then they are recorded, never indexed, and freed
+        on release like any unfindable block; the ghost table remembers them."""
         sequence = self.sequences[sequence_id]
         committed = sequence.committed
         start = len(committed)
@@ -261,7 +294,10 @@ class BlockPool:
         salt_index = sequence.salt_block - start if sequence.salt_block is not None else None
         payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
-        committed += self._commit_run(parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index)
+        store = sequence.cache_policy is CachePolicy.STORE
+        committed += self._commit_run(
+            parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index, store
+        )
         known = sequence.token_bytes
         offset = start * block_width(self.block_size)
         sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
@@ -275,6 +311,10 @@ class BlockPool:
             self.host.unref(record)  # type: ignore[union-attr]
         self._tick += 1
         tick = self._tick
+        retention = sequence.retention
+        if retention:  # the highest priority any user of a block asked for
+            for block in sequence.committed:
+                block.retention = max(block.retention, retention)
         num_idle = 0  # unreferenced now, cached, with cached children: evictable, not leaves
         for block in sequence.committed:
             block.ref_count -= 1
@@ -315,6 +355,7 @@ class BlockPool:
                 self.leaves.push(leaf)
             self._left_device(block)
         self.num_evictable -= len(dropped)
+        self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits) for b in dropped], FLUSH)
         self.free.give_all([block.block_id for block in dropped])  # type: ignore[misc]
         for i in range(0, len(dropped), EVENT_CHUNK):
             chunk = dropped[i : i + EVENT_CHUNK]
@@ -422,12 +463,15 @@ class BlockPool:
         payloads: list[bytes],
         salt: str,
         salt_index: int | None,
+        store: bool = True,
     ) -> list[Block]:
         """Records for a run of blocks its sequence has just written, parent to child
         (`salt_index` counts from the run's first block); answers them. A block is
         indexed unless an entry with its hash exists (an identical copy, or a collision)
-        or its parent is not findable (it could never be reached by a walk), so the
-        indexed blocks are a prefix of the run: one STORED event, cut from the inputs."""
+        or its parent is not findable (it could never be reached by a walk), or `store`
+        is False (its request's cache_policy), so the indexed blocks are a prefix of
+        the run: one STORED event, cut from the inputs. An indexed block gets back the
+        uses the ghost table remembered for its hash."""
         records = self.blocks
         index = self.index
         host_index = self.host.index if self.host is not None else None
@@ -436,7 +480,8 @@ class BlockPool:
         if salt_index is not None and 0 <= salt_index < len(salts):
             salts[salt_index] = salt
         first_parent = parent
-        indexing = parent is None or parent.is_cached
+        indexing = store and (parent is None or parent.is_cached)
+        ghosts = self.ghosts
         num_stored = 0
         loaded: list[bool] = []  # per indexed block: an existing host record, now loaded
         run: list[Block] = []
@@ -468,6 +513,12 @@ class BlockPool:
                         parent.num_cached_children += 1
                     num_stored += 1
                     loaded.append(block is kept)
+                    if ghosts:  # a recomputed block gets back its uses (a loaded one kept them)
+                        uses = ghosts.recall(block_hash)
+                        if block is not kept:
+                            block.num_seen += uses
+                    if mixed_salt is not None:
+                        ghosts.add_salted(self._salt_free_hash(block))
             append(block)
             parent = block
         if self.host is not None and not self.keep_host_copies:
@@ -477,6 +528,8 @@ class BlockPool:
                 if was_loaded and block.host_refs == 0 and block.num_host_children == 0:
                     self._drop_host_copy(block)
             self._emit_tier_events()
+        if not store:
+            ghosts.remember([(b.block_hash, 1) for b in run if b.block_hash not in index], NOT_STORED)
         start = 0
         while start < num_stored:  # one STORED or LOADED event per run of either
             end = start + 1
@@ -518,6 +571,7 @@ class BlockPool:
                 self._demote_chain(dropped)
         self.num_evictable -= num
         self.counters.num_evictions += num
+        self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits) for b in evicted], leaves.policy.name)
         block_ids = [block.block_id for block in evicted]
         self._events.append(
             EventKind.REMOVED, self.pool_id, tuple([b.block_hash for b in evicted]), tuple(block_ids)
@@ -534,7 +588,7 @@ class BlockPool:
         for the caller to push. Under LRU a released chain shares one tick, so eviction
         takes a whole chain for one heap pop (bench.blockd_grpc: an admission there
         evicts a 128-block chain); a flush drops one block at a time (limit 1)."""
-        index, records, priority = self.index, self.blocks, self.leaves.priority
+        index, records, leaves = self.index, self.blocks, self.leaves
         dropped: list[Block] = []
         while True:
             assert index.get(block.block_hash) is block, f"{block} is not indexed"
@@ -543,6 +597,8 @@ class BlockPool:
             block.is_cached = False
             block.heap_key = None
             dropped.append(block)
+            if block.mixed_salt is not None:
+                self.ghosts.drop_salted(self._salt_free_hash(block))
             parent = block.parent
             if parent is None:
                 return dropped, None
@@ -550,7 +606,7 @@ class BlockPool:
             # `is_evictable_leaf`, inlined: this runs once per evicted block
             if not parent.is_cached or parent.ref_count or parent.num_cached_children:
                 return dropped, None
-            if len(dropped) == limit or (bar is not None and not priority(parent) < bar):
+            if len(dropped) == limit or not leaves.takes_next(parent, bar):
                 return dropped, parent  # a pushed block loses ties, so only "below" is sure
             block = parent
 
@@ -693,6 +749,31 @@ class BlockPool:
                 tuple(b.host_block_id for b in demoted),  # type: ignore[misc]
                 tier=Tier.HOST,
             )
+
+    def explain(
+        self, prompt: Prompt, hits: list[Block], cache_policy: CachePolicy = CachePolicy.STORE
+    ) -> Miss:
+        """Why the prompt's tokens after `hits` (its verified hits) are not cached."""
+        if cache_policy is CachePolicy.NONE:
+            num_tokens = prompt.num_tokens
+            return Miss(MissReason.BYPASSED, num_tokens, 0, 0)
+        return classify_miss(prompt, self.block_size, hits, self.seed, self._hasher, self.index, self.ghosts)
+
+    def _count_miss(self, miss: Miss) -> None:
+        self.last_miss = miss
+        tokens = self.counters.miss_tokens
+        if miss.reason is not None and miss.num_tokens:
+            tokens[miss.reason.value] = tokens.get(miss.reason.value, 0) + miss.num_tokens
+        if miss.num_partial_tokens:
+            key = MissReason.PARTIAL_BLOCK.value
+            tokens[key] = tokens.get(key, 0) + miss.num_partial_tokens
+
+    def _salt_free_hash(self, block: Block) -> BlockHash:
+        """The hash the block would have without its salt (for OTHER_SALT misses)."""
+        parent = block.parent
+        return self._hasher.walk(parent.block_hash if parent is not None else self.seed, [block.token_bytes])[
+            0
+        ]
 
     def _unreferenced(self, block: Block, tick: int) -> None:
         """A block's last reference is gone: cached ones become evictable, the others

@@ -9,11 +9,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from blockd.block import Block
+from blockd.ghosts import MissReason
 from blockd.hashing import tokens_of
 from blockd.leases import PoolSlot
 from blockd.pool import BlockPool
 from blockd.prompt import Prompt
-from blockd.types import BlockInfo, BlockPage, PoolId, PoolInfo, PoolMatch, PoolStats, Tier, TierStats
+from blockd.types import (
+    BlockInfo,
+    BlockPage,
+    MissExplanation,
+    PoolId,
+    PoolInfo,
+    PoolMatch,
+    PoolStats,
+    Tier,
+    TierStats,
+)
 from blockd.validation import encode_page_token
 
 _SUMMED = (
@@ -29,6 +40,8 @@ _SUMMED = (
     "num_evictions",
     "num_admissions",
     "num_admissions_deferred",
+    "num_ghosts",
+    "max_ghosts",
 )
 
 
@@ -71,6 +84,10 @@ def pool_stats(pool: BlockPool) -> PoolStats:
         c.num_admissions,
         c.num_admissions_deferred,
         host_stats(pool),
+        tuple(sorted(c.miss_tokens.items())),
+        len(pool.ghosts),
+        pool.ghosts.capacity,
+        pool.leaves.policy.name,
     )
 
 
@@ -90,7 +107,19 @@ def total(pools: Iterable[PoolStats]) -> PoolStats:
             load_seconds_per_block=0.0,
             recompute_seconds_per_block=0.0,
         )
-    return PoolStats(None, block_size=block_sizes.pop() if len(block_sizes) == 1 else 0, host=host, **sums)
+    misses: dict[str, int] = {}
+    for p in pools:
+        for reason, num_tokens in p.miss_tokens:
+            misses[reason] = misses.get(reason, 0) + num_tokens
+    policies = {p.eviction_policy for p in pools}
+    return PoolStats(
+        None,
+        block_size=block_sizes.pop() if len(block_sizes) == 1 else 0,
+        host=host,
+        miss_tokens=tuple(sorted(misses.items())),
+        eviction_policy=policies.pop() if len(policies) == 1 else "",
+        **sums,
+    )
 
 
 _TIER_SUMMED = (
@@ -154,6 +183,47 @@ def block_info(pool_id: PoolId, block: Block) -> BlockInfo:
         block.depth,
         block.mixed_salt is not None,
     )
+
+
+def explain(
+    slots: list[PoolSlot], all_live: list[PoolSlot], prompt: Prompt, now: float
+) -> list[MissExplanation]:
+    """Why each of `slots` misses the prompt past its cached prefix. A miss that the pool
+    cannot explain (never seen) is OTHER_NAMESPACE when a live pool of another namespace
+    holds more of the prompt: K/V of another model is not K/V of this one."""
+    found = []
+    for slot in slots:
+        pool = slot.pool
+        hits = pool.match(prompt)
+        miss = pool.explain(prompt, hits)
+        reason = miss.reason
+        others: tuple[PoolId, ...] = ()
+        if reason is MissReason.NEVER_SEEN:
+            others = tuple(
+                other.pool.pool_id
+                for other in all_live
+                if other.namespace != slot.namespace
+                and other.pool.block_size == pool.block_size
+                and len(other.pool.match(prompt)) > len(hits)
+            )
+            if others:
+                reason = MissReason.OTHER_NAMESPACE
+        ghost = miss.ghost
+        found.append(
+            MissExplanation(
+                pool.pool_id,
+                slot.worker_address,
+                len(hits) * pool.block_size,
+                reason.value if reason is not None else None,
+                miss.num_tokens,
+                miss.num_partial_tokens,
+                miss.first_missing_block,
+                ghost.cause if ghost is not None else "",
+                now - ghost.at if ghost is not None else 0.0,
+                others,
+            )
+        )
+    return found
 
 
 def matches(slots: Iterable[PoolSlot], prompt: Prompt) -> list[PoolMatch]:

@@ -24,6 +24,7 @@ from blockd.directory import BlockDirectory
 from blockd.types import (
     HostSpec,
     InvalidArgument,
+    NotCached,
     NotFound,
     PermissionDenied,
     PinId,
@@ -40,6 +41,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
+    NotCached: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     MissingCredentials: grpc.StatusCode.UNAUTHENTICATED,
@@ -305,7 +307,32 @@ class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
     @unary
     async def Unpin(self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResponse:
         self._auth.check(context.invocation_metadata())
-        return pb.UnpinResponse(num_unpinned_blocks=self._directory.unpin(PinId(request.pin_id)))
+        if request.all:
+            if request.pin_id:
+                raise InvalidArgument("unpin: give either pin_id or all, not both")
+            num_pins, num_blocks = self._directory.unpin_all()
+            log.info("unpin all", pins=num_pins, blocks=num_blocks)
+            return pb.UnpinResponse(num_unpinned_blocks=num_blocks, num_unpinned_pins=num_pins)
+        if not request.pin_id:
+            raise InvalidArgument("unpin: pin_id is empty; give the id Pin answered, or set all")
+        num_blocks = self._directory.unpin(PinId(request.pin_id))
+        return pb.UnpinResponse(num_unpinned_blocks=num_blocks, num_unpinned_pins=1)
+
+    @unary
+    async def ExplainMiss(
+        self, request: pb.ExplainMissRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExplainMissResponse:
+        self._auth.check(context.invocation_metadata())
+        explanations = self._directory.explain_miss(
+            request.token_ids,
+            request.cache_salt,
+            request.public_prefix_tokens,
+            PoolId(request.pool_id) or None,
+        )
+        return pb.ExplainMissResponse(
+            num_tokens=len(request.token_ids),
+            pools=[messages.explanation_to(e) for e in explanations],
+        )
 
     @streaming
     async def WatchEvents(

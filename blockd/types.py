@@ -46,7 +46,11 @@ class StaleEpoch(DirectoryError):
 
 
 class ResourceExhausted(DirectoryError):
-    """The pool cannot hold the request even when empty."""
+    """The pool cannot hold the request even when empty (or a pin would pass the budget)."""
+
+
+class NotCached(DirectoryError):
+    """The operation needs cached blocks and the prompt has none (e.g. a pin)."""
 
 
 class PermissionDenied(DirectoryError):
@@ -77,6 +81,14 @@ class HostSpec:
 NO_HOST_TIER = HostSpec()
 
 
+class CachePolicy(enum.Enum):
+    """What one request does with the prefix cache (Generate's cache_policy)."""
+
+    STORE = "store"  # reuse cached blocks and index its own new full blocks (the default)
+    READ_ONLY = "read_only"  # reuse cached blocks, never index its new ones (a one-off suffix)
+    NONE = "none"  # neither: no hits, nothing indexed (benchmarks, privacy)
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Everything besides tokens that changes a block's K/V (see directory.proto)."""
@@ -93,6 +105,8 @@ class AdmitOp:
     token_ids: Sequence[int]
     cache_salt: str = ""
     public_prefix_tokens: int = 0
+    cache_policy: CachePolicy = CachePolicy.STORE
+    retention_priority: int = 0  # 1..100 (TensorRT-LLM's scale); 0: unset, the default 35
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +208,11 @@ class PoolStats:
     num_admissions: int
     num_admissions_deferred: int
     host: TierStats | None = None  # None: the pool has no host tier
+    # Uncached admitted tokens by miss reason (blockd.ghosts.MissReason value), sorted.
+    miss_tokens: tuple[tuple[str, int], ...] = ()
+    num_ghosts: int = 0
+    max_ghosts: int = 0
+    eviction_policy: str = ""  # "" in a total over pools of different policies
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +300,22 @@ class FlushResult:
     dropped: int  # unreferenced cached blocks dropped (now free), summed over tiers
     busy: int  # matching cached blocks still referenced; they stay until released
     tiers: tuple[tuple[Tier, int, int], ...] = ()  # (tier, dropped, busy) per tier flushed
+
+
+@dataclass(frozen=True, slots=True)
+class MissExplanation:
+    """Why one pool does not hold a prompt's tokens past its cached prefix."""
+
+    pool_id: PoolId
+    worker_address: str
+    num_cached_tokens: int
+    reason: str | None  # a MissReason value; None: every full block is cached
+    num_missed_tokens: int
+    num_partial_tokens: int
+    first_missing_block: int
+    evicted_by: str = ""  # the ghost's cause: a policy name, "flush" or "cache_policy"
+    seconds_ago: float = 0.0
+    other_pool_ids: tuple[PoolId, ...] = ()  # OTHER_NAMESPACE: pools holding the tokens
 
 
 @dataclass(frozen=True, slots=True)

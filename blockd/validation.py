@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from blockd.config import MAX_BLOCK_SIZE, MAX_POOL_BLOCKS, DirectoryConfig
+from blockd.eviction import DEFAULT_RETENTION, MAX_RETENTION
 from blockd.hashing import block_width, token_bytes
 from blockd.pool import BlockPool, ResyncPlan
 from blockd.prompt import Prompt
@@ -27,6 +28,7 @@ from blockd.types import (
     NO_HOST_TIER,
     AdmitOp,
     BlockId,
+    CachePolicy,
     CommitOp,
     GrowOp,
     HostSpec,
@@ -173,7 +175,7 @@ class StepPlan:
     commits: list[tuple[SequenceId, list[BlockId], bytes]]
     releases: list[SequenceId]
     grows: list[tuple[SequenceId, int]]
-    admits: list[tuple[SequenceId, Prompt]]
+    admits: list[tuple[SequenceId, Prompt, CachePolicy, int]]
 
 
 def plan_step(
@@ -216,8 +218,17 @@ def plan_step(
             op.token_ids, op.cache_salt, op.public_prefix_tokens, config.max_sequence_tokens, what
         )
         _check_num_tokens(pool, config, prompt.num_tokens, what)
-        plan.admits.append((sequence_id, prompt))
+        check_retention_priority(op.retention_priority, what)
+        plan.admits.append((sequence_id, prompt, op.cache_policy, op.retention_priority))
     return plan
+
+
+def check_retention_priority(priority: int, what: str) -> None:
+    if not 0 <= priority <= MAX_RETENTION:
+        raise InvalidArgument(
+            f"{what}: retention_priority must be 1 .. {MAX_RETENTION} (0: the default "
+            f"{DEFAULT_RETENTION}), got {priority}"
+        )
 
 
 def plan_resync(pool: BlockPool, config: DirectoryConfig, sequences: Seq[ResyncSequence]) -> list[ResyncPlan]:

@@ -32,6 +32,7 @@ from clients.types import (
     Completion,
     FlushResult,
     GenerateChunk,
+    MissExplanation,
     ModelInfo,
     PinResult,
     PoolInfo,
@@ -203,6 +204,24 @@ class AsyncBlockdClient:
         """Returns the number of blocks unpinned."""
         return await self._endpoint.call(core.unpin(pin_id, timeout))
 
+    async def unpin_all(self, *, timeout: float | None = None) -> tuple[int, int]:
+        """Drops every pin; returns (pins dropped, blocks they held)."""
+        return await self._endpoint.call(core.unpin_all(timeout))
+
+    async def explain_miss(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        pool_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[MissExplanation]:
+        """Why each live pool (or one) does not hold the prompt past its cached prefix."""
+        return await self._endpoint.call(
+            core.explain_miss(token_ids, cache_salt, public_prefix_tokens, pool_id, timeout)
+        )
+
     async def watch_events(
         self, after_sequence: int = 0, *, pool_id: str | None = None, timeout: float | None = None
     ) -> AsyncIterator[BlockEvent]:
@@ -253,6 +272,8 @@ class AsyncComputedClient:
         cache_salt: str = "",
         public_prefix_tokens: int = 0,
         request_id: str = "",
+        cache_policy: str = "store",
+        retention_priority: int = 0,
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncGenerateStream:
@@ -264,6 +285,8 @@ class AsyncComputedClient:
             cache_salt=cache_salt,
             public_prefix_tokens=public_prefix_tokens,
             request_id=request_id,
+            cache_policy=cache_policy,
+            retention_priority=retention_priority,
         )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 
@@ -358,6 +381,8 @@ class AsyncKVCacheClient:
         cache_salt: str = "",
         public_prefix_tokens: int = 0,
         request_id: str = "",
+        cache_policy: str = "store",
+        retention_priority: int = 0,
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncGenerateStream:
@@ -369,6 +394,8 @@ class AsyncKVCacheClient:
             cache_salt=cache_salt,
             public_prefix_tokens=public_prefix_tokens,
             request_id=request_id,
+            cache_policy=cache_policy,
+            retention_priority=retention_priority,
         )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 

@@ -35,6 +35,7 @@ from clients.types import (
     Completion,
     FlushResult,
     GenerateChunk,
+    MissExplanation,
     ModelInfo,
     PinResult,
     PoolInfo,
@@ -208,6 +209,24 @@ class BlockdClient:
         """Returns the number of blocks unpinned."""
         return self._endpoint.call(core.unpin(pin_id, timeout))
 
+    def unpin_all(self, *, timeout: float | None = None) -> tuple[int, int]:
+        """Drops every pin; returns (pins dropped, blocks they held)."""
+        return self._endpoint.call(core.unpin_all(timeout))
+
+    def explain_miss(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        public_prefix_tokens: int = 0,
+        pool_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[MissExplanation]:
+        """Why each live pool (or one) does not hold the prompt past its cached prefix."""
+        return self._endpoint.call(
+            core.explain_miss(token_ids, cache_salt, public_prefix_tokens, pool_id, timeout)
+        )
+
     def watch_events(
         self, after_sequence: int = 0, *, pool_id: str | None = None, timeout: float | None = None
     ) -> Iterator[BlockEvent]:
@@ -255,6 +274,8 @@ class ComputedClient:
         cache_salt: str = "",
         public_prefix_tokens: int = 0,
         request_id: str = "",
+        cache_policy: str = "store",
+        retention_priority: int = 0,
         timeout: float | None = None,
         **sampling: Any,
     ) -> GenerateStream:
@@ -266,6 +287,8 @@ class ComputedClient:
             cache_salt=cache_salt,
             public_prefix_tokens=public_prefix_tokens,
             request_id=request_id,
+            cache_policy=cache_policy,
+            retention_priority=retention_priority,
         )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout=timeout)
 
@@ -367,6 +390,8 @@ class KVCacheClient:
         cache_salt: str = "",
         public_prefix_tokens: int = 0,
         request_id: str = "",
+        cache_policy: str = "store",
+        retention_priority: int = 0,
         timeout: float | None = None,
         **sampling: Any,
     ) -> GenerateStream:
@@ -377,6 +402,8 @@ class KVCacheClient:
             cache_salt=cache_salt,
             public_prefix_tokens=public_prefix_tokens,
             request_id=request_id,
+            cache_policy=cache_policy,
+            retention_priority=retention_priority,
         )
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 

@@ -33,6 +33,7 @@ from clients.types import (
     BlockInfo,
     FlushResult,
     GenerateChunk,
+    MissExplanation,
     ModelInfo,
     PinResult,
     PoolInfo,
@@ -219,6 +220,34 @@ def unpin(pin_id: str, timeout: float | None) -> Call[int]:
     """Answers the number of blocks unpinned."""
     return _admin(
         "Unpin", directory_pb2.UnpinRequest(pin_id=pin_id), lambda reply: reply.num_unpinned_blocks, timeout
+    )
+
+
+def unpin_all(timeout: float | None) -> Call[tuple[int, int]]:
+    """Answers (pins dropped, blocks they held)."""
+    return _admin(
+        "Unpin",
+        directory_pb2.UnpinRequest(all=True),
+        lambda reply: (reply.num_unpinned_pins, reply.num_unpinned_blocks),
+        timeout,
+    )
+
+
+def explain_miss(
+    token_ids: Sequence[int],
+    cache_salt: str,
+    public_prefix_tokens: int,
+    pool_id: str | None,
+    timeout: float | None,
+) -> Call[list[MissExplanation]]:
+    request = directory_pb2.ExplainMissRequest(
+        token_ids=list(token_ids),
+        cache_salt=cache_salt,
+        public_prefix_tokens=public_prefix_tokens,
+        pool_id=pool_id or "",
+    )
+    return _admin(
+        "ExplainMiss", request, lambda reply: [MissExplanation.from_proto(p) for p in reply.pools], timeout
     )
 
 

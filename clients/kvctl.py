@@ -10,6 +10,7 @@ admin token is missing or wrong, 130 interrupted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -334,6 +335,20 @@ def _prompt(
     is_flag=True,
     help="Keep generating past the model's end-of-sequence token, up to --max-tokens.",
 )
+@click.option(
+    "--cache-policy",
+    type=click.Choice(["store", "read_only", "none"]),
+    default="store",
+    show_default=True,
+    help="store: reuse and store; read_only: reuse cached blocks but never store this request's "
+    "new ones (a one-off); none: neither.",
+)
+@click.option(
+    "--priority",
+    type=click.IntRange(min=1, max=100),
+    default=None,
+    help="Retention priority of this request's blocks, 1-100 (eviction weighs it) [default: 35].",
+)
 def generate(
     session: Session,
     as_json: bool,
@@ -350,9 +365,15 @@ def generate(
     seed: int | None,
     stop: tuple[str, ...],
     ignore_eos: bool,
+    cache_policy: str,
+    priority: int | None,
 ) -> None:
     """Generate from TEXT ("-" reads stdin), streaming the text; cached tokens and TTFT at the end."""
-    prompt = _prompt(text, token_text, system, chat, salt, public_prefix_tokens)
+    prompt = dataclasses.replace(
+        _prompt(text, token_text, system, chat, salt, public_prefix_tokens),
+        cache_policy=cache_policy,
+        retention_priority=priority or 0,
+    )
     params = SamplingParams.of(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -625,14 +646,47 @@ def pin(session: Session, as_json: bool, ttl: float, pool: str | None, **prompt_
 
 
 @command("unpin")
-@click.argument("pin_id")
-def unpin(session: Session, as_json: bool, pin_id: str) -> None:
-    """Release a pin made by `kvctl pin`."""
+@click.argument("pin_id", required=False)
+@click.option("--all", "unpin_all", is_flag=True, help="Release every pin.")
+def unpin(session: Session, as_json: bool, pin_id: str | None, unpin_all: bool) -> None:
+    """Release a pin made by `kvctl pin` (or every pin with --all)."""
+    if (pin_id is None) == (not unpin_all):
+        raise click.UsageError("give PIN_ID or --all (one of them)")
+    if unpin_all:
+        num_pins, num_unpinned = session.client.blockd.unpin_all()
+        if as_json:
+            session.emit_json({"num_unpinned_pins": num_pins, "num_unpinned_blocks": num_unpinned})
+            return
+        session.out.print(
+            f"unpinned {render.plural(num_pins, 'pin')} ({render.plural(num_unpinned, 'block')})"
+        )
+        return
     num_unpinned = session.client.blockd.unpin(pin_id)
     if as_json:
         session.emit_json({"pin_id": pin_id, "num_unpinned_blocks": num_unpinned})
         return
     session.out.print(f"unpinned {render.plural(num_unpinned, 'block')}")
+
+
+@command("why")
+@_prompt_options
+@click.option("--pool", help="One pool instead of all.")
+def why(session: Session, as_json: bool, pool: str | None, **prompt_args: Any) -> None:
+    """Why TEXT (or --tokens) is not (fully) cached: per pool, the cached prefix, then the
+    reason of the first missing block (never seen, evicted by which policy and when,
+    flushed, not stored, other salt, other model) and the partial tail."""
+    prompt = _prompt(**prompt_args)
+    token_ids = session.client.tokenize_prompt(prompt)
+    explanations = session.client.blockd.explain_miss(
+        token_ids,
+        cache_salt=prompt.cache_salt,
+        public_prefix_tokens=prompt.public_prefix_tokens,
+        pool_id=pool,
+    )
+    if as_json:
+        session.emit_json({"num_tokens": len(token_ids), "pools": [to_dict(e) for e in explanations]})
+        return
+    session.out.print(render.why_text(explanations, len(token_ids)))
 
 
 @command("watch")

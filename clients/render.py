@@ -18,7 +18,30 @@ from rich.text import Text
 from rich.tree import Tree
 
 from clients.prefix_tree import PrefixNode
-from clients.types import BlockInfo, Completion, PinResult, PoolInfo, PoolMatch, PoolStats, Stats, TierStats
+from clients.types import (
+    BlockInfo,
+    Completion,
+    MissExplanation,
+    PinResult,
+    PoolInfo,
+    PoolMatch,
+    PoolStats,
+    Stats,
+    TierStats,
+)
+
+# What each miss reason means, in kvctl's words (blockd's MissReason).
+MISS_REASONS = {
+    "partial_block": "after the last full block: a partial block is never cached",
+    "never_seen": "never cached in this pool, or evicted longer ago than it remembers",
+    "evicted": "cached once, evicted",
+    "flushed": "cached once, dropped by a flush",
+    "not_stored": "computed before, but that request's cache policy (read_only / none) did not store it",
+    "other_salt": "cached, but under another cache salt (or none): tenants never share blocks",
+    "other_namespace": "cached in a pool of another model, revision, dtype or adapter",
+    "not_loaded": "only in a lower tier, which this admission did not load",
+    "bypassed": "the request's cache policy was none: nothing was looked up",
+}
 
 _PREVIEW_CHARS = 60
 _PREVIEW_TOKENS = 12
@@ -98,12 +121,16 @@ def stats_table(stats: Stats) -> Table:
     for pool in stats.pools:
         table.add_column(Text(pool.pool_id or "?"), justify="right", overflow="fold")
     for field in dataclasses.fields(PoolStats):
-        if field.name in ("pool_id", "host"):
+        if field.name in ("pool_id", "host", "miss_tokens", "eviction_policy"):
             continue
         table.add_row(field.name, *(f"{getattr(s, field.name):,}" for s in columns))
+    table.add_row("eviction_policy", *(s.eviction_policy or "(mixed)" for s in columns))
     table.add_row(
         "hit rate (tokens)", *(percent(s.hit_tokens, s.queried_tokens) for s in columns), style="green"
     )
+    for reason in MISS_REASONS:
+        if any(reason in s.miss_tokens for s in columns):
+            table.add_row(f"missed: {reason}", *(f"{s.miss_tokens.get(reason, 0):,}" for s in columns))
     if any(s.host is not None for s in columns):
         for field in dataclasses.fields(TierStats):
             if field.name == "tier":
@@ -119,6 +146,33 @@ def _tier_cell(tier: TierStats | None, name: str) -> str:
         return "-"
     value = getattr(tier, name)
     return f"{value * 1e6:,.1f} µs" if isinstance(value, float) else f"{value:,}"
+
+
+def why_text(explanations: Sequence[MissExplanation], num_tokens: int) -> Text:
+    """`kvctl why`: per pool, the cached prefix and why the rest is not cached."""
+    if not explanations:
+        return Text("no live pool: nothing is cached anywhere")
+    text = Text()
+    for e in explanations:
+        text.append(f"{e.pool_id}", style="bold")
+        text.append(
+            f" ({e.worker_address or '-'}): {e.num_cached_tokens:,} of {num_tokens:,} tokens cached\n"
+        )
+        if e.reason is not None:
+            line = f"  {e.num_missed_tokens:,} tokens from block {e.first_missing_block}: {e.reason} ({MISS_REASONS.get(e.reason, '')})"
+            if e.evicted_by:
+                line += f"; by {e.evicted_by}, {e.seconds_ago:.0f} s ago"
+            if e.other_pool_ids:
+                line += f"; cached in {', '.join(e.other_pool_ids)}"
+            text.append(line + "\n")
+        if e.num_partial_tokens:
+            text.append(
+                f"  {e.num_partial_tokens:,} tokens: partial_block ({MISS_REASONS['partial_block']})\n"
+            )
+        if e.reason is None and not e.num_partial_tokens:
+            text.append("  every token is cached\n")
+    text.rstrip()
+    return text
 
 
 def pools_table(pools: Sequence[PoolInfo]) -> Table:

@@ -7,9 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from clients.types import ChatMessage
-from kvcache.v1 import generation_pb2
+from kvcache.v1 import cache_policy_pb2, generation_pb2
 
 MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
+CACHE_POLICIES = {
+    "store": cache_policy_pb2.CACHE_POLICY_STORE,
+    "read_only": cache_policy_pb2.CACHE_POLICY_READ_ONLY,
+    "none": cache_policy_pb2.CACHE_POLICY_NONE,
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Prompt:
     cache_salt: str = ""
     public_prefix_tokens: int = 0
     request_id: str = ""
+    cache_policy: str = "store"  # "store", "read_only" (reuse, never store) or "none"
+    retention_priority: int = 0  # 1..100 (TensorRT-LLM's scale); 0: the server's default (35)
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.text, self.token_ids, self.messages)]
@@ -52,6 +59,14 @@ class Prompt:
             raise ValueError("give exactly one of prompt text, token_ids or messages")
         if self.public_prefix_tokens < 0:
             raise ValueError("public_prefix_tokens must be >= 0")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(
+                f"cache_policy must be one of {sorted(CACHE_POLICIES)}, got {self.cache_policy!r}"
+            )
+        if not 0 <= self.retention_priority <= 100:
+            raise ValueError(
+                f"retention_priority must be 1 .. 100 (0: the default), got {self.retention_priority}"
+            )
 
     @classmethod
     def of(
@@ -63,6 +78,8 @@ class Prompt:
         cache_salt: str = "",
         public_prefix_tokens: int = 0,
         request_id: str = "",
+        cache_policy: str = "store",
+        retention_priority: int = 0,
     ) -> Prompt:
         return cls(
             text=prompt,
@@ -71,6 +88,8 @@ class Prompt:
             cache_salt=cache_salt,
             public_prefix_tokens=public_prefix_tokens,
             request_id=request_id,
+            cache_policy=cache_policy,
+            retention_priority=retention_priority,
         )
 
     def to_request(self, params: SamplingParams) -> generation_pb2.GenerateRequest:
@@ -81,6 +100,8 @@ class Prompt:
             cache_salt=self.cache_salt,
             public_prefix_tokens=self.public_prefix_tokens,
             request_id=self.request_id,
+            cache_policy=CACHE_POLICIES[self.cache_policy],
+            retention_priority=self.retention_priority,
         )
         if self.text is not None:
             request.prompt = self.text

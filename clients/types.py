@@ -191,6 +191,11 @@ class PoolStats:
     num_admissions: int
     num_admissions_deferred: int
     host: TierStats | None = None  # the host tier; None when the pool has none
+    # Uncached admitted tokens by miss reason ("never_seen", "evicted", ...; see `kvctl why`).
+    miss_tokens: dict[str, int] = field(default_factory=dict)
+    eviction_policy: str = ""
+    num_ghosts: int = 0
+    max_ghosts: int = 0
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolStats) -> PoolStats:
@@ -210,6 +215,10 @@ class PoolStats:
             m.num_admissions,
             m.num_admissions_deferred,
             TierStats.from_proto(m.host) if m.HasField("host") else None,
+            {miss_reason_name(x.reason): x.num_tokens for x in m.miss_tokens},
+            m.eviction_policy,
+            m.num_ghosts,
+            m.max_ghosts,
         )
 
     @property
@@ -392,6 +401,42 @@ class FlushResult:
     dropped: int
     busy: int
     tiers: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def miss_reason_name(value: int) -> str:
+    """MISS_REASON_EVICTED -> "evicted" (the names blockd's stats and metrics use)."""
+    return directory_pb2.MissReason.Name(value).removeprefix("MISS_REASON_").lower()
+
+
+@dataclass(frozen=True)
+class MissExplanation:
+    """Why one pool does not hold a prompt past its cached prefix (ExplainMiss)."""
+
+    pool_id: str
+    worker_address: str
+    num_cached_tokens: int
+    reason: str | None  # "never_seen", "evicted", ...; None: every full block is cached
+    num_missed_tokens: int
+    num_partial_tokens: int
+    first_missing_block: int
+    evicted_by: str
+    seconds_ago: float
+    other_pool_ids: tuple[str, ...]
+
+    @classmethod
+    def from_proto(cls, m: directory_pb2.MissExplanation) -> MissExplanation:
+        return cls(
+            m.pool_id,
+            m.worker_address,
+            m.num_cached_tokens,
+            miss_reason_name(m.reason) if m.reason else None,
+            m.num_missed_tokens,
+            m.num_partial_tokens,
+            m.first_missing_block,
+            m.evicted_by,
+            m.seconds_ago,
+            tuple(m.other_pool_ids),
+        )
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,15 @@ from computed.directory_ops import (
     ResyncSequence,
 )
 from computed.errors import DirectoryUnavailable
+from kvcache.v1 import cache_policy_pb2
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
+
+CACHE_POLICIES = {
+    "store": cache_policy_pb2.CACHE_POLICY_STORE,
+    "read_only": cache_policy_pb2.CACHE_POLICY_READ_ONLY,
+    "none": cache_policy_pb2.CACHE_POLICY_NONE,
+}
 
 log = structlog.get_logger("computed.directory")
 
@@ -130,6 +137,8 @@ class DirectoryClient:
                     token_ids=a.token_ids,
                     cache_salt=a.cache_salt,
                     public_prefix_tokens=a.public_prefix_tokens,
+                    cache_policy=CACHE_POLICIES[a.cache_policy],
+                    retention_priority=a.retention_priority,
                 )
                 for a in ops.admits
             ],

@@ -18,6 +18,8 @@ class AdmitOp:
     token_ids: list[int]
     cache_salt: str
     public_prefix_tokens: int
+    cache_policy: str = "store"  # "store", "read_only" or "none" (Generate's cache_policy)
+    retention_priority: int = 0  # 1..100; 0: blockd's default
 
 
 @dataclass(frozen=True)

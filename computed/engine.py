@@ -147,6 +147,8 @@ class Engine:
         decoder: TokenDecoder,
         cache_salt: str = "",
         public_prefix_tokens: int = 0,
+        cache_policy: str = "store",
+        retention_priority: int = 0,
     ) -> tuple[int, asyncio.Queue]:
         """Queue a request; its chunks arrive on the returned queue (the last has usage)."""
         seq = Sequence(
@@ -156,6 +158,8 @@ class Engine:
             self.scheduler.config.block_size,
             cache_salt,
             public_prefix_tokens,
+            cache_policy,
+            retention_priority,
         )
         req = _Request(seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic())
         self._requests[seq.sequence_id] = req

@@ -94,6 +94,8 @@ class PrefixLeaders:
     def _key(self, seq: Sequence) -> tuple | None:
         if seq.num_tokens < self.block_size:
             return None  # no full block: nothing to share
+        if seq.cache_policy != "store":
+            return None  # it stores nothing another could wait for (and NONE reads nothing)
         return seq.cache_salt, seq.public_prefix_tokens, tuple(seq.token_ids[: self.block_size])
 
     def _shares_more_than(self, a: list[int], b: list[int], num_blocks: int) -> bool:

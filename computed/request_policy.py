@@ -22,6 +22,8 @@ from computed.sequence import SamplingParams
 
 DEFAULT_MAX_TOKENS = 64
 MAX_SALT_BYTES = 1024
+CACHE_POLICIES = ("store", "read_only", "none")  # Generate's CachePolicy, as the service names it
+MAX_RETENTION_PRIORITY = 100
 MAX_MESSAGES = 1024
 # The request id is echoed in every response message: unbounded, a 16 MiB id would turn
 # each generated token into a 16 MiB message.
@@ -80,6 +82,8 @@ class GenerateInput:
     cache_salt: str = ""
     public_prefix_tokens: int = 0
     request_id: str = ""
+    cache_policy: str = "store"  # the service maps the proto enum; anything else is refused
+    retention_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class AdmittedRequest:
     cache_salt: str
     public_prefix_tokens: int
     request_id: str  # "" when the client sent none
+    cache_policy: str = "store"  # one of CACHE_POLICIES
+    retention_priority: int = 0  # 0 .. MAX_RETENTION_PRIORITY
 
 
 class RequestPolicy:
@@ -109,7 +115,25 @@ class RequestPolicy:
             raise RequestError(
                 f"request_id is over {MAX_REQUEST_ID_CHARS} characters (it is echoed in every response)"
             )
-        return AdmittedRequest(prompt, params, salt, request.public_prefix_tokens, request.request_id)
+        if request.cache_policy not in CACHE_POLICIES:
+            raise RequestError(
+                f"cache_policy {request.cache_policy} is not one of CACHE_POLICY_STORE, "
+                f"CACHE_POLICY_READ_ONLY, CACHE_POLICY_NONE"
+            )
+        if not 0 <= request.retention_priority <= MAX_RETENTION_PRIORITY:
+            raise RequestError(
+                f"retention_priority must be 1 .. {MAX_RETENTION_PRIORITY} (0: the default), "
+                f"got {request.retention_priority}"
+            )
+        return AdmittedRequest(
+            prompt,
+            params,
+            salt,
+            request.public_prefix_tokens,
+            request.request_id,
+            request.cache_policy,
+            request.retention_priority,
+        )
 
     def tokenize(
         self, text: str, messages: Sequence[ChatMessage], add_special_tokens: bool

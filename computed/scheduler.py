@@ -160,7 +160,14 @@ class Scheduler:
             if budget is not None and admits and blocks > budget:
                 break
             admits.append(
-                AdmitOp(seq.sequence_id, list(seq.token_ids), seq.cache_salt, seq.public_prefix_tokens)
+                AdmitOp(
+                    seq.sequence_id,
+                    list(seq.token_ids),
+                    seq.cache_salt,
+                    seq.public_prefix_tokens,
+                    seq.cache_policy,
+                    seq.retention_priority,
+                )
             )
             admitted.append(seq)
             leaders.add_admitted(seq)

@@ -69,6 +69,8 @@ class Sequence:
     block_size: int
     cache_salt: str = ""
     public_prefix_tokens: int = 0
+    cache_policy: str = "store"  # "store", "read_only" or "none": what blockd may do with its blocks
+    retention_priority: int = 0  # 1..100; 0: blockd's default
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[BlockId] = field(default_factory=list)

@@ -25,6 +25,7 @@ from computed.engine import Engine, GenerationChunk
 from computed.errors import CapacityError, ModelFailed, RequestError, ShuttingDown
 from computed.model.tokenizer import IncrementalDecoder, Tokenizer
 from computed.request_policy import GenerateInput, RequestPolicy, WorkerInfo
+from kvcache.v1 import cache_policy_pb2
 from kvcache.v1 import generation_pb2 as pb
 from kvcache.v1 import generation_pb2_grpc as pb_grpc
 
@@ -138,6 +139,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             IncrementalDecoder(self.tokenizer),
             admitted.cache_salt,
             admitted.public_prefix_tokens,
+            admitted.cache_policy,
+            admitted.retention_priority,
         )
         request_id = admitted.request_id or f"req-{sequence_id}"
         finished = False
@@ -196,6 +199,16 @@ def _chat(messages: Any) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in messages]
 
 
+# Generate's CachePolicy enum -> the request policy's names (unknown values pass as
+# their number, which the policy refuses with INVALID_ARGUMENT).
+_CACHE_POLICIES = {
+    cache_policy_pb2.CACHE_POLICY_UNSPECIFIED: "store",
+    cache_policy_pb2.CACHE_POLICY_STORE: "store",
+    cache_policy_pb2.CACHE_POLICY_READ_ONLY: "read_only",
+    cache_policy_pb2.CACHE_POLICY_NONE: "none",
+}
+
+
 def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
     """The message as plain values; an unset optional field becomes None."""
 
@@ -217,6 +230,8 @@ def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
         cache_salt=request.cache_salt,
         public_prefix_tokens=request.public_prefix_tokens,
         request_id=request.request_id,
+        cache_policy=_CACHE_POLICIES.get(request.cache_policy, str(request.cache_policy)),
+        retention_priority=request.retention_priority,
     )
 
 

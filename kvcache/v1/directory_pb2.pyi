@@ -1,3 +1,4 @@
+from kvcache.v1 import cache_policy_pb2 as _cache_policy_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -23,6 +24,19 @@ class BlockEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_EVENT_KIND_GAP: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_DEMOTED: _ClassVar[BlockEventKind]
     BLOCK_EVENT_KIND_LOADED: _ClassVar[BlockEventKind]
+
+class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MISS_REASON_UNSPECIFIED: _ClassVar[MissReason]
+    MISS_REASON_PARTIAL_BLOCK: _ClassVar[MissReason]
+    MISS_REASON_NEVER_SEEN: _ClassVar[MissReason]
+    MISS_REASON_EVICTED: _ClassVar[MissReason]
+    MISS_REASON_FLUSHED: _ClassVar[MissReason]
+    MISS_REASON_NOT_STORED: _ClassVar[MissReason]
+    MISS_REASON_OTHER_SALT: _ClassVar[MissReason]
+    MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
+    MISS_REASON_NOT_LOADED: _ClassVar[MissReason]
+    MISS_REASON_BYPASSED: _ClassVar[MissReason]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -34,6 +48,16 @@ BLOCK_EVENT_KIND_CLEARED: BlockEventKind
 BLOCK_EVENT_KIND_GAP: BlockEventKind
 BLOCK_EVENT_KIND_DEMOTED: BlockEventKind
 BLOCK_EVENT_KIND_LOADED: BlockEventKind
+MISS_REASON_UNSPECIFIED: MissReason
+MISS_REASON_PARTIAL_BLOCK: MissReason
+MISS_REASON_NEVER_SEEN: MissReason
+MISS_REASON_EVICTED: MissReason
+MISS_REASON_FLUSHED: MissReason
+MISS_REASON_NOT_STORED: MissReason
+MISS_REASON_OTHER_SALT: MissReason
+MISS_REASON_OTHER_NAMESPACE: MissReason
+MISS_REASON_NOT_LOADED: MissReason
+MISS_REASON_BYPASSED: MissReason
 
 class Namespace(_message.Message):
     __slots__ = ("model_id", "model_revision", "dtype", "adapter_id")
@@ -98,16 +122,20 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class AdmitOp(_message.Message):
-    __slots__ = ("sequence_id", "token_ids", "cache_salt", "public_prefix_tokens")
+    __slots__ = ("sequence_id", "token_ids", "cache_salt", "public_prefix_tokens", "cache_policy", "retention_priority")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     public_prefix_tokens: int
-    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
+    cache_policy: _cache_policy_pb2.CachePolicy
+    retention_priority: int
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_policy_pb2.CachePolicy, str]] = ..., retention_priority: _Optional[int] = ...) -> None: ...
 
 class AdmitResult(_message.Message):
     __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens", "loads")
@@ -228,7 +256,7 @@ class ResyncResponse(_message.Message):
     def __init__(self, num_sequences: _Optional[int] = ..., num_committed_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred", "host")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred", "miss_tokens", "num_ghosts", "max_ghosts", "eviction_policy", "host")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +271,10 @@ class PoolStats(_message.Message):
     NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_ADMISSIONS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GHOSTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GHOSTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
@@ -258,8 +290,12 @@ class PoolStats(_message.Message):
     num_evictions: int
     num_admissions: int
     num_admissions_deferred: int
+    miss_tokens: _containers.RepeatedCompositeFieldContainer[MissTokens]
+    num_ghosts: int
+    max_ghosts: int
+    eviction_policy: str
     host: TierStats
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ..., miss_tokens: _Optional[_Iterable[_Union[MissTokens, _Mapping]]] = ..., num_ghosts: _Optional[int] = ..., max_ghosts: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "num_blocks", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "hit_tokens", "num_demotions", "num_loads", "num_evictions", "num_loads_skipped", "load_seconds_per_block", "recompute_seconds_per_block")
@@ -468,16 +504,20 @@ class PinResponse(_message.Message):
     def __init__(self, pin_id: _Optional[str] = ..., num_pinned_tokens: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
-    __slots__ = ("pin_id",)
+    __slots__ = ("pin_id", "all")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
     pin_id: str
-    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
+    all: bool
+    def __init__(self, pin_id: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
-    __slots__ = ("num_unpinned_blocks",)
+    __slots__ = ("num_unpinned_blocks", "num_unpinned_pins")
     NUM_UNPINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNPINNED_PINS_FIELD_NUMBER: _ClassVar[int]
     num_unpinned_blocks: int
-    def __init__(self, num_unpinned_blocks: _Optional[int] = ...) -> None: ...
+    num_unpinned_pins: int
+    def __init__(self, num_unpinned_blocks: _Optional[int] = ..., num_unpinned_pins: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_sequence", "pool_id")
@@ -528,3 +568,55 @@ class RouteResponse(_message.Message):
     num_cached_tokens: int
     candidates: _containers.RepeatedCompositeFieldContainer[PoolMatch]
     def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[PoolMatch, _Mapping]]] = ...) -> None: ...
+
+class MissTokens(_message.Message):
+    __slots__ = ("reason", "num_tokens")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reason: MissReason
+    num_tokens: int
+    def __init__(self, reason: _Optional[_Union[MissReason, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ExplainMissRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "pool_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    public_prefix_tokens: int
+    pool_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
+
+class MissExplanation(_message.Message):
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "reason", "num_missed_tokens", "num_partial_tokens", "first_missing_block", "evicted_by", "seconds_ago", "other_pool_ids")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_MISSING_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    OTHER_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    worker_address: str
+    num_cached_tokens: int
+    reason: MissReason
+    num_missed_tokens: int
+    num_partial_tokens: int
+    first_missing_block: int
+    evicted_by: str
+    seconds_ago: float
+    other_pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., reason: _Optional[_Union[MissReason, str]] = ..., num_missed_tokens: _Optional[int] = ..., num_partial_tokens: _Optional[int] = ..., first_missing_block: _Optional[int] = ..., evicted_by: _Optional[str] = ..., seconds_ago: _Optional[float] = ..., other_pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExplainMissResponse(_message.Message):
+    __slots__ = ("num_tokens", "pools")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    pools: _containers.RepeatedCompositeFieldContainer[MissExplanation]
+    def __init__(self, num_tokens: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[MissExplanation, _Mapping]]] = ...) -> None: ...

@@ -312,6 +312,11 @@ class DirectoryAdminServiceStub:
                 request_serializer=kvcache_dot_v1_dot_directory__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_directory__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.ExplainMiss = channel.unary_unary(
+                '/kvcache.v1.DirectoryAdminService/ExplainMiss',
+                request_serializer=kvcache_dot_v1_dot_directory__pb2.ExplainMissRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_directory__pb2.ExplainMissResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvcache.v1.DirectoryAdminService/WatchEvents',
                 request_serializer=kvcache_dot_v1_dot_directory__pb2.WatchEventsRequest.SerializeToString,
@@ -372,6 +377,13 @@ class DirectoryAdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainMiss(self, request, context):
+        """Why a prompt's tokens are not cached, per pool (kvctl why).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Block stored / removed / cleared events, resumable by sequence number.
         """
@@ -416,6 +428,11 @@ def add_DirectoryAdminServiceServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=kvcache_dot_v1_dot_directory__pb2.UnpinRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_directory__pb2.UnpinResponse.SerializeToString,
+            ),
+            'ExplainMiss': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainMiss,
+                    request_deserializer=kvcache_dot_v1_dot_directory__pb2.ExplainMissRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_directory__pb2.ExplainMissResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -617,6 +634,33 @@ class DirectoryAdminService:
             '/kvcache.v1.DirectoryAdminService/Unpin',
             kvcache_dot_v1_dot_directory__pb2.UnpinRequest.SerializeToString,
             kvcache_dot_v1_dot_directory__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainMiss(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.DirectoryAdminService/ExplainMiss',
+            kvcache_dot_v1_dot_directory__pb2.ExplainMissRequest.SerializeToString,
+            kvcache_dot_v1_dot_directory__pb2.ExplainMissResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -124,6 +124,20 @@ def check_invariants(directory: BlockDirectory) -> None:
         )
         counters = pool.counters
         assert 0 <= counters.hit_tokens <= counters.queried_tokens
+        assert sum(counters.miss_tokens.values()) == counters.queried_tokens - counters.hit_tokens, (
+            "every uncached admitted token has one miss reason"
+        )
+
+        # Ghosts: bounded, never a cached hash; salt-free hashes counted for cached salted blocks.
+        ghosts = pool.ghosts
+        assert len(ghosts) <= ghosts.capacity
+        assert not any(h in ghosts for h in pool.index), "a cached hash is also a ghost"
+        salted: Counter = Counter()
+        for block in pool.index.values():
+            if block.mixed_salt is not None:
+                parent_hash = block.parent.block_hash if block.parent is not None else pool.seed
+                salted[hasher.block_hash(parent_hash, UNSALTED_TAG, block.token_bytes)] += 1
+        assert dict(salted) == ghosts.salted, "salt-free hashes of cached salted blocks"
         if pool.host is not None:
             check_host_tier(pool)
 

@@ -311,7 +311,7 @@ def test_flush_of_a_salt_keeps_the_public_prefix():
 
 
 def test_pins_protect_from_eviction_and_expire():
-    h = harness(num_blocks=4, block_size=4, lease_ttl_seconds=1000)
+    h = harness(num_blocks=4, block_size=4, lease_ttl_seconds=1000, pin_budget=1.0)
     h.run(1, A)  # 3 cached blocks
     pin = h.directory.pin(A, ttl_seconds=60)
     assert (pin.num_pinned_tokens, pin.num_pinned_blocks) == (12, 3)

@@ -11,7 +11,7 @@ from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.events import EventKind
 from blockd.eviction import EvictableLeaves
-from blockd.types import AdmitOp, CommitOp, ReleaseOp
+from blockd.types import AdmitOp, CommitOp, NotCached, ReleaseOp
 from tests.blockd.helpers import NAMESPACE, harness
 from tests.blockd.invariants import FakeClock, check_invariants, snapshot
 
@@ -46,7 +46,10 @@ def _workload(directory: BlockDirectory, seed: int) -> list[tuple]:
                 commits = [CommitOp(victim, table[first:last], run)]
             directory.step(reg.pool_id, reg.epoch, commits=commits, releases=[ReleaseOp(victim)])
         elif roll < 0.93 or not pins:
-            pins.append(directory.pin(rng.choice(bases)[: rng.randint(2, 30)]).pin_id)
+            try:
+                pins.append(directory.pin(rng.choice(bases)[: rng.randint(2, 30)]).pin_id)
+            except NotCached:
+                pass
         else:
             directory.unpin(pins.pop(rng.randrange(len(pins))))
         check_invariants(directory)
@@ -55,10 +58,13 @@ def _workload(directory: BlockDirectory, seed: int) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(
+    ("policy", "seed"),
+    [(p, seed) for p in ("lru", "lfu") for seed in range(8)]
+    + [(p, seed) for p in ("adaptive", "lfuda", "lru+seen2") for seed in range(4)],
+)
 def test_chain_fast_path_evicts_what_the_heap_would(policy, seed, monkeypatch):
-    config = DirectoryConfig(eviction_policy=policy, event_log_capacity=100_000)
+    config = DirectoryConfig(eviction_policy=policy, event_log_capacity=100_000, pin_budget=1.0)
     fast = BlockDirectory(config, clock=FakeClock())
     fast_events = _workload(fast, seed)
     # () sorts before every priority: no parent is ever taken past the heap

@@ -23,7 +23,20 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.hashing import BlockHasher
-from blockd.types import AdmitOp, CommitOp, DirectoryError, GrowOp, HostSpec, ReleaseOp, ResyncSequence, Tier
+from blockd.types import (
+    AdmitOp,
+    CachePolicy,
+    CommitOp,
+    DirectoryError,
+    GrowOp,
+    HostSpec,
+    NotCached,
+    ReleaseOp,
+    ResourceExhausted,
+    ResyncSequence,
+    Tier,
+)
+from blockd.validation import make_prompt
 from tests.blockd.helpers import NAMESPACE
 from tests.blockd.invariants import FakeClock, check_invariants, holders_of, snapshot
 
@@ -41,6 +54,8 @@ prompts = st.one_of(
     st.lists(st.integers(0, 2), min_size=1, max_size=10),
 )
 salts = st.sampled_from(["", "", "a", "b"])
+cache_policies = st.sampled_from([CachePolicy.STORE] * 4 + [CachePolicy.READ_ONLY, CachePolicy.NONE])
+retentions = st.sampled_from([0, 0, 0, 1, 35, 100])
 publics = st.sampled_from([0, 0, 2, 3])
 
 
@@ -65,6 +80,8 @@ class DirectoryMachine(RuleBasedStateMachine):
     host_spec = HostSpec()  # no host tier
     demote_min_hits = 0
 
+    policy = DirectoryConfig().eviction_policy  # the default
+
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
@@ -73,6 +90,8 @@ class DirectoryMachine(RuleBasedStateMachine):
             lease_ttl_seconds=LEASE_TTL,
             event_log_capacity=64,
             demote_min_hits=self.demote_min_hits,
+            eviction_policy=self.policy,
+            ghosts_per_block=0.5,  # a small ghost table: it fills and forgets
         )
         self.directory = BlockDirectory(self.config, clock=self.clock, hasher=self.hasher)
         reg = self.directory.register_pool(NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", host=self.host_spec)
@@ -115,10 +134,17 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ worker calls
 
-    @rule(tokens=prompts, salt=salts, public=publics, prefill=st.booleans())
-    def admit(self, tokens, salt, public, prefill):
+    @rule(
+        tokens=prompts,
+        salt=salts,
+        public=publics,
+        prefill=st.booleans(),
+        cache_policy=cache_policies,
+        retention=retentions,
+    )
+    def admit(self, tokens, salt, public, prefill, cache_policy, retention):
         self.history.append((tokens, salt, public))
-        self.admit_prompt(tokens, salt, public, prefill)
+        self.admit_prompt(tokens, salt, public, prefill, cache_policy, retention)
 
     @precondition(lambda self: self.history)
     @rule(data=st.data(), extra=_tokens, prefill=st.booleans())
@@ -128,13 +154,16 @@ class DirectoryMachine(RuleBasedStateMachine):
         keep = data.draw(st.integers(1, len(tokens)))
         self.admit_prompt(tokens[:keep] + extra, salt, public, prefill)
 
-    def admit_prompt(self, tokens, salt, public, prefill):
+    def admit_prompt(self, tokens, salt, public, prefill, cache_policy=CachePolicy.STORE, retention=0):
         sequence_id = self.next_id
         self.next_id += 1
         expected = self.directory.lookup(tokens, salt, public, self.pool_id)[0].num_cached_tokens
+        if cache_policy is CachePolicy.NONE:
+            expected = 0  # looks nothing up
         before = snapshot(self.directory)
         others = self.held_by_others(None)
-        result = self.step(admits=[AdmitOp(sequence_id, tokens, salt, public)]).admits[0]
+        admit = AdmitOp(sequence_id, tokens, salt, public, cache_policy, retention)
+        result = self.step(admits=[admit]).admits[0]
         if not result.admitted:
             pools, pins, last = snapshot(self.directory)
             assert (tuple(p[:-1] for p in pools), pins, last) == (
@@ -241,9 +270,24 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts, salt=salts, public=publics)
     def pin(self, tokens, salt, public):
+        """A pin holds the cached prefix; one of nothing cached, or one past the pin
+        budget, is refused and changes nothing."""
         match = self.directory.lookup(tokens, salt, public, self.pool_id)[0]
+        cached = match.num_cached_tokens - match.num_host_cached_tokens  # pins hold device blocks
+        pool = self.directory._slots[self.pool_id].pool
+        newly = sum(
+            1 for b in pool.match(make_prompt(tokens, salt, public, MAX_TOKENS, "t")) if not b.pin_count
+        )
+        over = pool.num_pinned + newly > int(self.config.pin_budget * NUM_BLOCKS)
+        if cached == 0 or over:
+            before = snapshot(self.directory)
+            with pytest.raises(NotCached if cached == 0 else ResourceExhausted):
+                self.directory.pin(tokens, salt, public, ttl_seconds=5)
+            assert snapshot(self.directory) == before
+            return
         result = self.directory.pin(tokens, salt, public, ttl_seconds=5)
-        assert result.num_pinned_tokens == match.num_cached_tokens - match.num_host_cached_tokens
+        assert result.num_pinned_tokens == cached
+        assert pool.num_pinned <= self.config.pin_budget * NUM_BLOCKS
         self.pins.append(result.pin_id)
 
     @precondition(lambda self: self.pins)
@@ -401,6 +445,16 @@ class TieredBlindMachine(TieredDirectoryMachine):
     hasher = BlindDirectoryMachine.hasher
 
 
+class LruSeenTwiceDirectoryMachine(DirectoryMachine):
+    """The other policy family (strict retention classes, probation for one-use blocks)."""
+
+    policy = "lru+seen2"
+
+
+class LfudaDirectoryMachine(DirectoryMachine):
+    policy = "lfuda"
+
+
 _fast = settings(
     max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -426,6 +480,8 @@ TestTieredSeenTwiceMachine = _test_case(TieredSeenTwiceMachine, _fast)
 TestTieredTinyHostMachine = _test_case(TieredTinyHostMachine, _fast)
 TestTieredCollidingMachine = _test_case(TieredCollidingMachine, _fast)
 TestTieredBlindMachine = _test_case(TieredBlindMachine, _fast)
+TestLruSeenTwiceDirectoryMachine = _test_case(LruSeenTwiceDirectoryMachine, _fast)
+TestLfudaDirectoryMachine = _test_case(LfudaDirectoryMachine, _fast)
 TestLongDirectoryMachine = _test_case(DirectoryMachine, _long, *_slow)
 TestLongTieredDirectoryMachine = _test_case(TieredDirectoryMachine, _long, *_slow)
 TestLongCollidingDirectoryMachine = _test_case(CollidingDirectoryMachine, _long, *_slow)

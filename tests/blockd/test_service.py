@@ -12,6 +12,7 @@ import pytest
 
 from blockd.config import BlockdConfig, DirectoryConfig
 from blockd.directory import BlockDirectory
+from kvcache.v1 import cache_policy_pb2 as cache_pb
 from kvcache.v1 import directory_pb2 as pb
 from tests.blockd.conftest import ADMIN_TOKEN, AUTH, Blockd, make_config, start_inprocess
 
@@ -391,6 +392,116 @@ async def test_metrics_endpoint_counts_tokens():
         assert f"kvcache_referenced_blocks{{{label}}} 3.0" in body
         assert f"kvcache_free_blocks{{{label}}} 61.0" in body
         assert "kvcache_admissions_total" in body and "kvcache_evictions_total" in body
+        assert f'kvcache_prefix_cache_misses_total{{{label},reason="never_seen"}} 32.0' in body
+        assert f'kvcache_prefix_cache_misses_total{{{label},reason="partial_block"}} 8.0' in body
+        assert f"kvcache_ghosts{{{label}}} 0.0" in body
     finally:
         await env.channel.close()
         await env.server.stop(0)
+
+
+# ---------------------------------------------------------------- retention (issue 14)
+
+
+async def _cache(
+    env: Blockd, pool: pb.RegisterPoolResponse, sequence_id: int, tokens: list[int], **admit
+) -> None:
+    """Admit, commit every full block, release."""
+    result = (
+        await step(env, pool, admits=[pb.AdmitOp(sequence_id=sequence_id, token_ids=tokens, **admit)])
+    ).admits[0]
+    first, last = result.num_cached_tokens // 16, len(tokens) // 16
+    commits = [
+        pb.CommitOp(
+            sequence_id=sequence_id,
+            block_ids=result.block_ids[first:last],
+            token_ids=tokens[first * 16 : last * 16],
+        )
+    ]
+    await step(
+        env, pool, commits=commits if last > first else [], releases=[pb.ReleaseOp(sequence_id=sequence_id)]
+    )
+
+
+async def test_miss_reasons_in_stats_and_explain_miss(blockd):
+    pool = await register(blockd)
+    await _cache(blockd, pool, 1, PROMPT)  # 32 never seen + 8 partial
+    await _cache(blockd, pool, 2, PROMPT, cache_salt="tenant")  # the same tokens under a salt
+    stats = (await blockd.stats()).total
+    assert {pb.MissReason.Name(m.reason): m.num_tokens for m in stats.miss_tokens} == {
+        "MISS_REASON_NEVER_SEEN": 32,
+        "MISS_REASON_PARTIAL_BLOCK": 16,
+        "MISS_REASON_OTHER_SALT": 32,
+    }
+    assert stats.eviction_policy == "adaptive" and stats.max_ghosts == 128
+    await blockd.admin.Flush(pb.FlushRequest(cache_salt="tenant"), metadata=AUTH)
+    why = await blockd.admin.ExplainMiss(
+        pb.ExplainMissRequest(token_ids=PROMPT, cache_salt="tenant"), metadata=AUTH
+    )
+    (pool_why,) = why.pools
+    assert why.num_tokens == 40 and pool_why.num_cached_tokens == 0
+    assert pool_why.reason == pb.MISS_REASON_FLUSHED and pool_why.evicted_by == "flush"
+    assert (pool_why.num_missed_tokens, pool_why.num_partial_tokens, pool_why.first_missing_block) == (
+        32,
+        8,
+        0,
+    )
+    other = await blockd.workers.RegisterPool(
+        pb.RegisterPoolRequest(
+            num_blocks=64, block_size=16, namespace=pb.Namespace(model_id="other"), worker_address="w:2"
+        )
+    )
+    await _cache(blockd, other, 1, list(range(5000, 5032)))
+    why = await blockd.admin.ExplainMiss(
+        pb.ExplainMissRequest(token_ids=list(range(5000, 5032)), pool_id=pool.pool_id), metadata=AUTH
+    )
+    assert why.pools[0].reason == pb.MISS_REASON_OTHER_NAMESPACE
+    assert list(why.pools[0].other_pool_ids) == [other.pool_id]
+
+
+async def test_cache_policy_and_retention_priority_travel_in_admit_ops(blockd):
+    pool = await register(blockd)
+    await _cache(blockd, pool, 1, PROMPT, cache_policy=cache_pb.CACHE_POLICY_READ_ONLY, retention_priority=90)
+    lookup = await blockd.admin.Lookup(pb.LookupRequest(token_ids=PROMPT), metadata=AUTH)
+    assert lookup.matches[0].num_cached_tokens == 0  # read-only: nothing indexed
+    await expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        step(blockd, pool, admits=[pb.AdmitOp(sequence_id=2, token_ids=PROMPT, retention_priority=101)]),
+        env=blockd,
+        text="retention_priority must be 1 .. 100",
+    )
+    await expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        step(blockd, pool, admits=[pb.AdmitOp(sequence_id=2, token_ids=PROMPT, cache_policy=7)]),
+        env=blockd,
+        text="cache_policy 7 is not one of",
+    )
+
+
+async def test_pin_not_cached_budget_and_unpin_all(blockd):
+    pool = await register(blockd, num_blocks=8)
+    await expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        blockd.admin.Pin(pb.PinRequest(token_ids=PROMPT), metadata=AUTH),
+        env=blockd,
+        text="no block of this prompt is cached",
+    )
+    long_prompt = list(range(2000, 2080))  # 5 blocks: past the budget of 4 (50% of 8)
+    await _cache(blockd, pool, 1, long_prompt)
+    await expect(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        blockd.admin.Pin(pb.PinRequest(token_ids=long_prompt), metadata=AUTH),
+        env=blockd,
+        text="past its pin budget of 4",
+    )
+    await blockd.admin.Pin(pb.PinRequest(token_ids=long_prompt[:32]), metadata=AUTH)
+    await blockd.admin.Pin(pb.PinRequest(token_ids=long_prompt[:48]), metadata=AUTH)
+    unpinned = await blockd.admin.Unpin(pb.UnpinRequest(all=True), metadata=AUTH)
+    assert (unpinned.num_unpinned_pins, unpinned.num_unpinned_blocks) == (2, 5)
+    assert (await blockd.stats()).total.num_pinned_blocks == 0
+    await expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        blockd.admin.Unpin(pb.UnpinRequest(pin_id="pin-1", all=True), metadata=AUTH),
+        env=blockd,
+        text="either pin_id or all",
+    )

@@ -264,3 +264,22 @@ def test_watch_shows_new_events_only_and_exits_130_on_ctrl_c(live: LiveStack) ->
             proc.wait()
     assert proc.returncode == 130, proc.stderr.read()
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_why_cache_policy_and_unpin_all(live: LiveStack) -> None:
+    prompt = unique_prompt("kvctl why " + "padding words " * 8)
+    why = kvctl_json(live, "why", prompt)
+    assert why["pools"][0]["reason"] == "never_seen" and why["pools"][0]["num_cached_tokens"] == 0
+    generate_json(live, prompt, "--cache-policy", "read_only", "--priority", "90")
+    why = kvctl_json(live, "why", prompt)
+    assert why["pools"][0]["reason"] == "not_stored", why  # computed, never stored
+    human = run_kvctl("why", prompt, env=live.kvctl_env())
+    assert human.returncode == 0 and "not_stored" in human.stdout, human.stdout
+    not_cached = run_kvctl("pin", prompt, env=live.kvctl_env())
+    assert_one_line_error(not_cached, 1, "nothing to pin")
+    generate_json(live, prompt)
+    assert kvctl_json(live, "pin", prompt, "--ttl", "30")["num_pinned_blocks"] >= 1
+    unpinned = kvctl_json(live, "unpin", "--all")
+    assert unpinned["num_unpinned_pins"] >= 1
+    stats = kvctl_json(live, "stats")
+    assert stats["miss_tokens"].get("not_stored", 0) > 0 and stats["eviction_policy"] == "adaptive"

@@ -1,0 +1,191 @@
+"""What a pool remembers about blocks it no longer holds, and why a prompt missed.
+
+`GhostTable`: the hashes of the last `capacity` blocks that left the index (evicted
+by a policy, dropped by a flush, or never stored because their request's
+cache_policy said so), with when and why and how often they had been used. Fixed
+size: the oldest ghost is forgotten first (an OrderedDict, O(1) per operation), so
+memory is bounded whatever the traffic. It serves two readers:
+
+- the policies: a block committed again with a remembered hash gets its earlier
+  uses back (`Block.num_seen`), as ARC and S3-FIFO promote a ghost hit, so a block
+  that keeps coming back is not treated as a one-off each time;
+- miss reasons: for each admission the pool classifies its uncached tokens.
+
+Miss reasons. A prefix walk ends at the first missing block, and every later block
+of the prompt misses because of it (a child is never reachable without its parent),
+so the uncached full-block tokens get the reason of that first missing block; the
+partial tail (tokens after the last full block) is `PARTIAL_BLOCK`, never
+cacheable. Costs one extra digest per admission that misses (the missing block's
+salt-free hash), plus the ghost lookup; never a walk of the rest of the prompt.
+
+Pure: no gRPC, no I/O; time comes from the injected clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from blockd.hashing import BlockHasher, salt_tag
+from blockd.prompt import Prompt
+from blockd.types import BlockHash
+
+if TYPE_CHECKING:
+    from blockd.block import Block
+
+
+class MissReason(enum.Enum):
+    """Why uncached prompt tokens were not served from the cache. Values are the
+    names used in stats, metrics labels and the proto enum (MISS_REASON_<NAME>)."""
+
+    PARTIAL_BLOCK = "partial_block"  # after the last full block: never cached
+    NEVER_SEEN = "never_seen"  # this pool never held (or no longer remembers) the block
+    EVICTED = "evicted"  # held once, evicted by the policy (the ghost says when)
+    FLUSHED = "flushed"  # held once, dropped by an operator's flush
+    NOT_STORED = "not_stored"  # computed before, but its request's cache_policy kept it out
+    OTHER_SALT = "other_salt"  # the same tokens are cached under another salt (or none)
+    OTHER_NAMESPACE = "other_namespace"  # cached in a pool of another model/revision/dtype/adapter
+    NOT_LOADED = "not_loaded"  # only in a lower tier this admission did not load (tiers)
+    BYPASSED = "bypassed"  # the request's cache_policy was NONE: nothing was looked up
+
+
+# Ghost causes that are reasons of their own (an eviction's cause is the policy name).
+FLUSH = "flush"
+NOT_STORED = "cache_policy"
+
+
+@dataclass(frozen=True, slots=True)
+class Ghost:
+    """A block hash the pool no longer indexes."""
+
+    cause: str  # the evicting policy's name, FLUSH or NOT_STORED
+    at: float  # clock seconds when it left
+    num_uses: int  # commits and hits it had had (carried into a recommit)
+
+    @property
+    def reason(self) -> MissReason:
+        if self.cause == FLUSH:
+            return MissReason.FLUSHED
+        if self.cause == NOT_STORED:
+            return MissReason.NOT_STORED
+        return MissReason.EVICTED
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """The classification of one admission's uncached tokens."""
+
+    reason: MissReason | None  # of the full-block misses; None: every full block hit
+    num_tokens: int  # full-block tokens not served from cache
+    num_partial_tokens: int  # the partial tail
+    first_missing_block: int
+    ghost: Ghost | None = None  # for EVICTED / FLUSHED / NOT_STORED
+
+
+class GhostTable:
+    """The last `capacity` hashes that left a pool's index (see the module docstring);
+    also the salt-free hashes of the pool's cached salted blocks (for OTHER_SALT).
+
+    Invariants: len(self) <= capacity; a hash is never both a ghost and indexed in the
+    pool (committing a ghost takes it out, `recall`); `salted[h]` counts the cached
+    blocks whose salt-free hash is h."""
+
+    def __init__(
+        self,
+        capacity: int,
+        clock: Callable[[], float],
+        on_return: Callable[[int], None] | None = None,
+    ) -> None:
+        assert capacity >= 0, "capacity must be >= 0"
+        self.capacity = capacity
+        self._clock = clock
+        self._on_return = on_return  # the policy's `returned`: a ghost came back
+        self._ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
+        self.salted: dict[BlockHash, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ghosts)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._ghosts
+
+    def get(self, block_hash: BlockHash) -> Ghost | None:
+        return self._ghosts.get(block_hash)
+
+    def remember(self, hashes_and_uses: list[tuple[BlockHash, int]], cause: str) -> None:
+        """Blocks that just left the index (or were never stored), oldest first."""
+        if not self.capacity:
+            return
+        ghosts = self._ghosts
+        now = self._clock()
+        for block_hash, num_uses in hashes_and_uses:
+            ghosts.pop(block_hash, None)  # refresh: it moves to the young end
+            ghosts[block_hash] = Ghost(cause, now, num_uses)
+        while len(ghosts) > self.capacity:
+            ghosts.popitem(last=False)
+
+    def recall(self, block_hash: BlockHash) -> int:
+        """A block with this hash is indexed again: forget its ghost, answer the uses
+        it remembered (0 for a hash never seen or forgotten)."""
+        ghost = self._ghosts.pop(block_hash, None)
+        if ghost is None:
+            return 0
+        if self._on_return is not None and ghost.reason is MissReason.EVICTED:
+            self._on_return(ghost.num_uses)
+        return ghost.num_uses
+
+    def add_salted(self, salt_free_hash: BlockHash) -> None:
+        self.salted[salt_free_hash] = self.salted.get(salt_free_hash, 0) + 1
+
+    def drop_salted(self, salt_free_hash: BlockHash) -> None:
+        left = self.salted[salt_free_hash] - 1
+        if left:
+            self.salted[salt_free_hash] = left
+        else:
+            del self.salted[salt_free_hash]
+
+    def clear(self) -> None:
+        self._ghosts.clear()
+
+
+def classify_miss(
+    prompt: Prompt,
+    block_size: int,
+    hits: list[Block],
+    seed: BlockHash,
+    hasher: BlockHasher,
+    index: Mapping[BlockHash, object],
+    ghosts: GhostTable,
+) -> Miss:
+    """Why the prompt's tokens after its verified `hits` are not cached: the reason of
+    its first missing full block, and the partial tail. One digest for the missing
+    block (the walk stopped there), one more for its salt-free hash when no ghost
+    explains it."""
+    num_tokens = prompt.num_tokens
+    num_full = num_tokens // block_size
+    num_partial = num_tokens - num_full * block_size
+    k = len(hits)
+    if k >= num_full:
+        return Miss(None, 0, num_partial, k)
+    num_missing = (num_full - k) * block_size
+    parent = hits[-1].block_hash if hits else seed
+    # payloads(limit=1) spares cutting a cold prompt whole; a warm one was cut by the match
+    payload = prompt.payloads(block_size, limit=1)[0] if k == 0 else prompt.payloads(block_size)[k]
+    digest = hasher.digest
+    ghost = ghosts.get(BlockHash(digest(parent + payload)))
+    if ghost is not None:
+        return Miss(ghost.reason, num_missing, num_partial, k, ghost)
+    salted = k == prompt.salt_block(block_size)
+    raw = payload[len(salt_tag(prompt.salt)) :] if salted else payload
+    salt_free = BlockHash(digest(parent + raw))
+    if (salted and salt_free in index) or salt_free in ghosts.salted:
+        return Miss(MissReason.OTHER_SALT, num_missing, num_partial, k)
+    return Miss(MissReason.NEVER_SEEN, num_missing, num_partial, k)
+
+
+def ghost_capacity(num_blocks: int, ratio: float, maximum: int) -> int:
+    """Ghosts a pool of `num_blocks` keeps: `ratio` per block, at most `maximum`."""
+    return min(maximum, int(num_blocks * ratio))
