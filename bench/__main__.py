@@ -43,8 +43,8 @@ BENCHMARKS: dict[str, str] = {
     "capacity": "bench.capacity",
     "eviction": "bench.eviction_quality",
     "kv_memory": "bench.kv_memory",
-    "tiers": "bench.tiers",
     "gpu": "bench.gpu",
+    "tiers": "bench.tiers",
 }
 # Run only when named: peer's install takes minutes and gigabytes (`make bench-peer`); gateway
 # has its own target (`make bench-gateway`).

@@ -30,7 +30,7 @@ from bench.tier_trace import (
 from bench.workloads import random_tokens, unrelated_prompts
 from clients.aio_client import AsyncComputedClient
 
-TITLE = "8. Host tier: hit rate under pressure, TTFT by tier, decode cost"
+TITLE = "9. Host tier: hit rate under pressure, TTFT by tier, decode cost"
 PREFIX = 4096
 NEW = 64
 # Blocks: one 4K prompt (+64) is 260 of them; 300 cannot hold two, so a second 4K
