@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from blockd.block import Block
 from blockd.leases import PoolSlot
 from blockd.prompt import Prompt
-from blockd.types import NotCached, NotFound, PinId, PoolId, ResourceExhausted
+from blockd.types import NotFound, PinId, PoolId, ResourceExhausted
 
 
 @dataclass
@@ -45,8 +45,9 @@ class PinTable:
 
     def pin(self, slots: Iterable[PoolSlot], prompt: Prompt, expires_at: float, budget: float = 1.0) -> Pin:
         """Reference the currently cached blocks of the prompt's prefix in each pool.
-        Checked first, for every pool: something is cached somewhere (NotCached), and no
-        pool passes `budget` × its blocks pinned (ResourceExhausted); then applied."""
+        Checked first, for every pool: no pool passes `budget` × its blocks pinned
+        (ResourceExhausted); then applied. A prompt cached nowhere gets a pin holding
+        nothing (0 tokens, as the contract has always answered): clients say so."""
         slots = list(slots)
         held: dict[PoolId, list[Block]] = {}
         for slot in slots:
@@ -63,16 +64,6 @@ class PinTable:
                     f"(kvctl unpin PIN_ID, or --all) or pin a shorter prefix"
                 )
             held[pool.pool_id] = hits
-        if not held:
-            where = (
-                f"pool {slots[0].pool.pool_id!r}"
-                if len(slots) == 1
-                else f"any of the {len(slots)} live pools"
-            )
-            raise NotCached(
-                f"pin: no block of this prompt is cached in {where}, so there is nothing to pin; "
-                f"send it once (kvctl generate), then pin it (kvctl why explains a miss)"
-            )
         for slot in slots:
             if slot.pool.pool_id in held:
                 slot.pool.pin(held[slot.pool.pool_id])

@@ -24,7 +24,6 @@ from blockd.directory import BlockDirectory
 from blockd.types import (
     HostSpec,
     InvalidArgument,
-    NotCached,
     NotFound,
     PermissionDenied,
     PinId,
@@ -41,7 +40,6 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
-    NotCached: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     MissingCredentials: grpc.StatusCode.UNAUTHENTICATED,

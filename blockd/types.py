@@ -49,10 +49,6 @@ class ResourceExhausted(DirectoryError):
     """The pool cannot hold the request even when empty (or a pin would pass the budget)."""
 
 
-class NotCached(DirectoryError):
-    """The operation needs cached blocks and the prompt has none (e.g. a pin)."""
-
-
 class PermissionDenied(DirectoryError):
     """The caller may not do this to that pool (it is live and owned by another worker)."""
 

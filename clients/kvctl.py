@@ -639,6 +639,15 @@ def pin(session: Session, as_json: bool, ttl: float, pool: str | None, **prompt_
         ttl_seconds=ttl,
         pool_id=pool,
     )
+    if result.num_pinned_blocks == 0:  # blockd answers an empty pin: drop it, and say why
+        session.client.blockd.unpin(result.pin_id)
+        where = f"pool {pool!r}" if pool else "any live pool"
+        click.echo(
+            f"error: no block of this prompt is cached in {where}, so there is nothing to pin; "
+            "send it once (kvctl generate), then pin it (kvctl why explains a miss)",
+            err=True,
+        )
+        click.get_current_context().exit(EXIT_REFUSED)
     if as_json:
         session.emit_json(to_dict(result))
         return

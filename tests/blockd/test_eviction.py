@@ -11,7 +11,7 @@ from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.events import EventKind
 from blockd.eviction import EvictableLeaves
-from blockd.types import AdmitOp, CommitOp, NotCached, ReleaseOp
+from blockd.types import AdmitOp, CommitOp, ReleaseOp
 from tests.blockd.helpers import NAMESPACE, harness
 from tests.blockd.invariants import FakeClock, check_invariants, snapshot
 
@@ -46,10 +46,7 @@ def _workload(directory: BlockDirectory, seed: int) -> list[tuple]:
                 commits = [CommitOp(victim, table[first:last], run)]
             directory.step(reg.pool_id, reg.epoch, commits=commits, releases=[ReleaseOp(victim)])
         elif roll < 0.93 or not pins:
-            try:
-                pins.append(directory.pin(rng.choice(bases)[: rng.randint(2, 30)]).pin_id)
-            except NotCached:
-                pass
+            pins.append(directory.pin(rng.choice(bases)[: rng.randint(2, 30)]).pin_id)
         else:
             directory.unpin(pins.pop(rng.randrange(len(pins))))
         check_invariants(directory)

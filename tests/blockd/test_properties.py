@@ -30,7 +30,6 @@ from blockd.types import (
     DirectoryError,
     GrowOp,
     HostSpec,
-    NotCached,
     ReleaseOp,
     ResourceExhausted,
     ResyncSequence,
@@ -270,8 +269,8 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts, salt=salts, public=publics)
     def pin(self, tokens, salt, public):
-        """A pin holds the cached prefix; one of nothing cached, or one past the pin
-        budget, is refused and changes nothing."""
+        """A pin holds the cached prefix (nothing, when nothing is cached); one past the
+        pin budget is refused and changes nothing."""
         match = self.directory.lookup(tokens, salt, public, self.pool_id)[0]
         cached = match.num_cached_tokens - match.num_host_cached_tokens  # pins hold device blocks
         pool = self.directory._slots[self.pool_id].pool
@@ -279,9 +278,9 @@ class DirectoryMachine(RuleBasedStateMachine):
             1 for b in pool.match(make_prompt(tokens, salt, public, MAX_TOKENS, "t")) if not b.pin_count
         )
         over = pool.num_pinned + newly > int(self.config.pin_budget * NUM_BLOCKS)
-        if cached == 0 or over:
+        if over:
             before = snapshot(self.directory)
-            with pytest.raises(NotCached if cached == 0 else ResourceExhausted):
+            with pytest.raises(ResourceExhausted):
                 self.directory.pin(tokens, salt, public, ttl_seconds=5)
             assert snapshot(self.directory) == before
             return
