@@ -1,8 +1,9 @@
 """--tokenizer: the gateway's own tokenization gives computed's token ids, and routing uses it.
 
 Equality is checked against live workers' Tokenize (what their Generate sees): the
-built-in model (Llama 3 style, BOS from the post-processor) and tiny random checkpoints
-of two other families (a Llama 2 style tokenizer and Qwen2's, no BOS, its own template).
+built-in model (no BOS, its own chat template) and tiny random checkpoints of two
+families: Llama (BOS from the post-processor: a text encoded without special tokens
+fails here) and Qwen2 (no BOS, ChatML template).
 """
 
 from __future__ import annotations
