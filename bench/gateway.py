@@ -14,7 +14,8 @@
    computed/default_model, offline); it must live in a virtualenv of its own.
 2. Overhead. One request at a time, the same warm prompt, max_tokens 1: gRPC
    `Generate` straight to computed against `POST /v1/completions` through the gateway
-   (one worker: no Tokenize/Route; and two workers: Tokenize + Route + Generate),
+   (one worker: no Tokenize/Route; and two workers: local tokenization (--tokenizer) +
+   Route + Generate),
    alternating call by call; both clients are plain (grpc's sync stub, http.client
    with keep-alive) so the difference is the gateway's. Goal: <= 1 ms p50.
 
@@ -108,7 +109,8 @@ def run(ctx: BenchContext, aiperf: str | None = None) -> BenchResult:
             workers = [f.result() for f in futures]
         daemons += workers
         addresses = [w.address for w in workers]
-        aware = start_gateway(workdir, addresses, blockd=blockd.address, name="gateway-aware")
+        local = ("--tokenizer", f"{MODEL}={DEFAULT_TOKENIZER}")  # routed prompts tokenized in the gateway
+        aware = start_gateway(workdir, addresses, *local, blockd=blockd.address, name="gateway-aware")
         robin = start_gateway(
             workdir, addresses, "--routing", "round-robin", blockd=blockd.address, name="gateway-rr"
         )
@@ -125,7 +127,7 @@ def run(ctx: BenchContext, aiperf: str | None = None) -> BenchResult:
                 stats[name] = asyncio.run(_drive(gateway.address, requests))
         overhead = {
             "1 worker (Generate only)": _overhead(workers[0].address, single.address, overhead_n),
-            "2 workers (Tokenize + Route + Generate)": _overhead(
+            "2 workers (local tokenize + Route + Generate)": _overhead(
                 workers[0].address, aware.address, overhead_n
             ),
         }
@@ -262,7 +264,7 @@ def _result(
 ) -> BenchResult:
     aware, robin = stats["cache-aware"], stats["round robin"]
     single = overhead["1 worker (Generate only)"][2]
-    routed = overhead["2 workers (Tokenize + Route + Generate)"][2]
+    routed = overhead["2 workers (local tokenize + Route + Generate)"][2]
     figures = [
         Figure("hit rate, cache-aware", round(aware.hit_rate, 3)),
         Figure("hit rate, round robin", round(robin.hit_rate, 3)),

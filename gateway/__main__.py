@@ -23,6 +23,19 @@ def _addresses(values: list[str] | None, default: str) -> tuple[str, ...]:
     return tuple(a.strip() for value in raw for a in value.split(",") if a.strip())
 
 
+def tokenizer_specs(values: list[str]) -> dict[str, str]:
+    """MODEL=DIR items -> {model: dir}; DIR must hold tokenizer.json."""
+    specs = {}
+    for value in filter(None, (v.strip() for v in values)):
+        model, sep, path = value.partition("=")
+        if not sep or not model or not path:
+            raise ValueError(f"--tokenizer must be MODEL=DIR, got {value!r}")
+        if not (Path(path) / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {value}: no tokenizer.json in {path}")
+        specs[model] = path
+    return specs
+
+
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(
         prog="gateway",
@@ -106,6 +119,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=float(_env("GATEWAY_DRAIN_SECONDS", "30")),
         help="on SIGTERM, let open requests finish this long [env GATEWAY_DRAIN_SECONDS]",
     )
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="MODEL=DIR",
+        help="tokenize MODEL's prompts here with DIR's tokenizer.json and chat template instead of "
+        "a worker's Tokenize (repeatable) [env GATEWAY_TOKENIZERS, comma-separated]",
+    )
     a = p.parse_args(argv)
     try:
         keys = load_keys(Path(a.api_keys_file) if a.api_keys_file else None, _env(KEYS_ENV))
@@ -124,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             ready_file=a.ready_file,
             log_format=a.log_format,
             drain_seconds=a.drain_seconds,
+            tokenizers=tokenizer_specs(a.tokenizer or (_env("GATEWAY_TOKENIZERS") or "").split(",")),
         )
     except (ValueError, OSError) as exc:
         p.error(str(exc))

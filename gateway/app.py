@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clients.types import GenerateChunk, Usage
 from gateway import metrics
@@ -48,12 +49,14 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return _error_response(request, error)
+        return _error_response(request.url.path, error)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error", path=request.url.path)
-        return _error_response(request, ApiError(INTERNAL, f"internal error: {type(error).__name__}"))
+        return _error_response(
+            request.url.path, ApiError(INTERNAL, f"internal error: {type(error).__name__}")
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -68,27 +71,29 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        _authenticate(tenants, request)
+        _authenticate(tenants, request.headers.get("authorization"))
         return JSONResponse({"object": "list", "data": [_model(m) for m in sorted(fleet.models())]})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> JSONResponse:
-        _authenticate(tenants, request)
+        _authenticate(tenants, request.headers.get("authorization"))
         fleet.workers_of(model)
         return JSONResponse(_model(model))
 
+    # Served by GenerationEndpoints before routing; the routes keep 405s and the route table as they were.
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _serve(request, "chat", parse_chat)
+        return await _serve("chat", request.headers.get("authorization"), await request.body())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(request, "completion", parse_completion)
+        return await _serve("completion", request.headers.get("authorization"), await request.body())
 
-    async def _serve(request: Request, endpoint: str, parse: Callable[[Any], GenerationRequest]) -> Response:
-        tenant = _authenticate(tenants, request)
+    async def _serve(endpoint: str, authorization: str | None, raw: bytes) -> Response:
+        tenant = _authenticate(tenants, authorization)
+        parse = parse_chat if endpoint == "chat" else parse_completion
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError:
             raise invalid("the request body is not valid JSON") from None
         req = parse(body)
@@ -112,10 +117,55 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
         return JSONResponse(await _collect(reply, req, generations))
 
+    # Innermost to ServerErrorMiddleware: the generation endpoints skip FastAPI's routing layers.
+    app.add_middleware(GenerationEndpoints, serve=_serve)
     return app
 
 
+class GenerationEndpoints:
+    """POST /v1/chat/completions and /v1/completions as plain ASGI (the hot path); the rest passes on."""
+
+    def __init__(self, app: ASGIApp, serve: Callable[[str, str | None, bytes], Awaitable[Response]]) -> None:
+        self.app = app
+        self.serve = serve
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path")
+        if scope["type"] != "http" or path not in _ENDPOINTS or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await self.serve(
+                _ENDPOINTS[path], _header(scope, b"authorization"), await _body(receive)
+            )
+        except ApiError as error:
+            response = _error_response(path, error)
+        except Exception as error:  # answered in OpenAI's shape, as the app's handler does
+            log.exception("unexpected error", path=path)
+            response = _error_response(path, ApiError(INTERNAL, f"internal error: {type(error).__name__}"))
+        await response(scope, receive, send)
+
+
+async def _body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise invalid("the client went away before sending its body")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_ENDPOINTS = {path: kind for kind, path in _PATHS.items()}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -123,17 +173,17 @@ def _model(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "kvcache"}
 
 
-def _authenticate(tenants: Tenants, request: Request) -> str:
-    tenant = tenants.authenticate(request.headers.get("authorization"))
+def _authenticate(tenants: Tenants, authorization: str | None) -> str:
+    tenant = tenants.authenticate(authorization)
     if tenant is None:
         raise ApiError(UNAUTHORIZED, "Incorrect or missing API key: send 'Authorization: Bearer <key>'")
     return tenant
 
 
-def _error_response(request: Request, error: ApiError) -> JSONResponse:
-    metrics.REQUESTS.labels(request.url.path, str(error.status.http)).inc()
+def _error_response(path: str, error: ApiError) -> JSONResponse:
+    metrics.REQUESTS.labels(path, str(error.status.http)).inc()
     if error.status.http >= 500:
-        log.warning("request failed", path=request.url.path, status=error.status.http, error=error.message)
+        log.warning("request failed", path=path, status=error.status.http, error=error.message)
     return JSONResponse(error.body(), status_code=error.status.http)
 
 

@@ -34,6 +34,8 @@ class GatewayConfig:
     log_format: str = "auto"
     # SIGTERM: stop accepting, let running requests finish this long.
     drain_seconds: float = 30.0
+    # model id -> checkpoint folder whose tokenizer the gateway runs itself (no Tokenize call).
+    tokenizers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

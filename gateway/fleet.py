@@ -2,8 +2,8 @@
 
 Placement of one request (`Fleet.place`):
 1. the workers of its model that are up and below `max_inflight_per_worker` (none: 429);
-2. cache-aware with blockd and several such workers: the prompt is tokenized once (a
-   worker's Tokenize; token ids given by the caller need none), blockd's `Route` ranks
+2. cache-aware with blockd and several such workers: the prompt is tokenized once (here
+   with `--tokenizer`, else a worker's Tokenize; token ids given by the caller need none), blockd's `Route` ranks
    the pools by cached prefix (load-aware), and the first ranked worker that is
    available gets the token ids, so it never tokenizes the prompt again;
 3. otherwise (one worker, round-robin mode, blockd away or ranking none of ours): the
@@ -33,6 +33,7 @@ from clients.types import ModelInfo, Route
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.errors import NOT_FOUND, RATE_LIMITED, UNAVAILABLE, ApiError
+from gateway.tokenizer import LocalTokenizer, load_tokenizers
 from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2_grpc
 
 log = structlog.get_logger("gateway")
@@ -63,6 +64,7 @@ class Fleet:
         )
         self._turn = itertools.count()
         self._refresher: asyncio.Task | None = None
+        self.tokenizers: dict[str, LocalTokenizer] = load_tokenizers(dict(config.tokenizers))
 
     # ------------------------------------------------------------ life cycle
 
@@ -143,6 +145,9 @@ class Fleet:
             metrics.ROUTING.labels("least_loaded").inc()
             return least_loaded(available), prompt
         token_ids = prompt.token_ids
+        if token_ids is None and model in self.tokenizers:
+            token_ids = self.tokenizers[model].tokenize(prompt)
+            metrics.TOKENIZED.labels("local" if token_ids is not None else "worker").inc()
         if token_ids is None:
             tokenizer = least_loaded(available)
             try:

@@ -4,7 +4,9 @@
 for its first message, so every failure before the first token becomes the response's
 HTTP status; a worker unreachable before its first message is replaced by another of
 the model's. `close` cancels the gRPC call (computed aborts the sequence and releases
-its blocks) and is safe to call at any time, any number of times.
+its blocks) and is safe to call at any time, any number of times; a stream that has
+delivered its last message is not cancelled (nothing to abort, and a cancel costs a
+round of work in grpc's core on the hot path).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Generation:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self.worker: Worker | None = None
         self.head: GenerateChunk | None = None
+        self._finished = False
 
     async def start(self) -> None:
         """Place, send, and read the first message; raises ApiError."""
@@ -62,6 +65,7 @@ class Generation:
             while chunk is not None:
                 yield chunk
                 if chunk.finish_reason:
+                    self._finished = True
                     return
                 chunk = await self._read()
         except KVCacheError as error:
@@ -70,7 +74,7 @@ class Generation:
             self.close()
 
     def close(self) -> None:
-        if self._call is not None:
+        if self._call is not None and not self._finished:
             self._call.cancel()
         self._release()
 
@@ -78,6 +82,7 @@ class Generation:
         self.worker = worker
         worker.inflight += 1
         request = prompt.to_request(self._sampling)
+        self._finished = False
         self._call = worker.stub.Generate(request, timeout=self._fleet.config.request_timeout)
 
     def _release(self) -> None:

@@ -36,3 +36,9 @@ DISCONNECTS = Counter(
     "Streams whose client went away before the end (generation cancelled)",
     registry=REGISTRY,
 )
+TOKENIZED = Counter(
+    "gateway_tokenizations",
+    "Prompts tokenized to route them: local (--tokenizer) or worker (its Tokenize, after local declined)",
+    ["where"],
+    registry=REGISTRY,
+)

@@ -127,3 +127,14 @@ def test_disconnect_mid_stream_cancels_and_leaks_no_block(gw: GatewayStack) -> N
     )
     metrics = http(gw.gateway.address, "GET", "/metrics")[2]
     assert "gateway_client_disconnects_total 0.0" not in metrics
+
+
+def test_generation_paths_keep_their_routes(gw: GatewayStack) -> None:
+    """The hot path is served before FastAPI's routing; other methods still get its 405, with no key a 401."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, _, _ = http(gw.gateway.address, "GET", path)
+        assert status == 405
+        status, _, text = http(gw.gateway.address, "POST", path, {"model": MODEL, "prompt": "x"})
+        assert status == 401 and json.loads(text)["error"]["message"].startswith(
+            "Incorrect or missing API key"
+        )
