@@ -26,6 +26,7 @@ from blockd.leases import PoolLeases, PoolSlot
 from blockd.pins import PinTable
 from blockd.pool import BlockPool, PoolCounters
 from blockd.routing import by_cached_prefix, rank_for_route
+from blockd.sightings import Sightings
 from blockd.types import (
     NO_HOST_TIER,
     AdmitOp,
@@ -77,6 +78,7 @@ class BlockDirectory:
         self._clock = clock
         self._hasher = hasher
         self._pins = PinTable()
+        self._sightings = Sightings(max(1, self.config.max_ghosts))  # fleet-wide, for the demotion rule
         self._leases = PoolLeases(self.config, clock, self._new_pool, self._on_reset)
         self._slots: dict[PoolId, PoolSlot] = self._leases.slots  # read by queries and tests
 
@@ -297,6 +299,7 @@ class BlockDirectory:
             counters,
             host,
             config.demote_min_hits,
+            self._sightings,
             ghosts=ghosts,
         )
 

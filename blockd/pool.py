@@ -33,6 +33,7 @@ from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, class
 from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.host_tier import HostCounters, HostTier
 from blockd.prompt import Prompt
+from blockd.sightings import Sightings
 from blockd.types import (
     NO_HOST_TIER,
     AdmitResult,
@@ -88,6 +89,7 @@ class BlockPool:
         counters: PoolCounters,
         host_spec: HostSpec = NO_HOST_TIER,
         demote_min_hits: int = 0,
+        sightings: Sightings | None = None,
         keep_host_copies: bool = False,
         ghosts: GhostTable | None = None,
     ) -> None:
@@ -116,6 +118,8 @@ class BlockPool:
         # A block is demoted when it was hit at least this often (0: always; 1: seen
         # twice), or when host-only children depend on it.
         self.demote_min_hits = demote_min_hits
+        # Shared by every pool of the directory; None when the rule needs no count.
+        self.sightings = sightings if demote_min_hits > 0 else None
         # Whether a loaded block keeps its host copy (a later eviction then needs no
         # copy) or gives it up (the tiers hold more distinct blocks together).
         self.keep_host_copies = keep_host_copies
@@ -229,6 +233,8 @@ class BlockPool:
             block.num_hits += 1
         self.num_evictable -= num_revived
         self.num_referenced += num_revived
+        if self.sightings is not None:
+            self.sightings.see([block.block_hash for block in hits + host_hits])
         for block in host_hits:  # held before allocating, so no demotion can evict them
             host.ref(block)  # type: ignore[union-attr]
         block_ids = [block.block_id for block in hits]
@@ -530,6 +536,8 @@ class BlockPool:
             self._emit_tier_events()
         if not store:
             ghosts.remember([(b.block_hash, 1) for b in run if b.block_hash not in index], NOT_STORED)
+        if self.sightings is not None:  # computed here: seen once (a load was seen as a hit)
+            self.sightings.see([hashes[i] for i in range(num_stored) if not loaded[i]])
         start = 0
         while start < num_stored:  # one STORED or LOADED event per run of either
             end = start + 1
@@ -623,6 +631,11 @@ class BlockPool:
         elif block.num_host_children:
             self._drop_host_descendants(block)
 
+    def _times_seen(self, block: Block) -> int:
+        """Computed once plus hit since, fleet-wide when blockd counts sightings."""
+        local = block.num_hits + 1
+        return local if self.sightings is None else max(local, self.sightings.count(block.block_hash))
+
     def _now_host_only(self, block: Block) -> None:
         if block.parent is not None:
             block.parent.num_host_children += 1
@@ -653,7 +666,7 @@ class BlockPool:
             if block.block_hash in host.index:
                 continue
             if (
-                block.num_hits >= self.demote_min_hits
+                self._times_seen(block) > self.demote_min_hits
                 or block.num_host_children
                 or id(block) in parents_wanted
             ):

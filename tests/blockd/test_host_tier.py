@@ -10,7 +10,7 @@ import pytest
 from bench.tier_trace import ConversationSpec, conversation_trace
 from blockd.events import EventKind
 from blockd.types import AdmitOp, CommitOp, HostSpec, ReleaseOp, Tier
-from tests.blockd.helpers import Harness, harness
+from tests.blockd.helpers import NAMESPACE, Harness, harness
 
 BS = 2
 A = [1, 2, 3, 4]  # two blocks
@@ -146,3 +146,19 @@ def test_a_conversation_trace_keeps_every_invariant(host_blocks):
         )
         h.step(commits=commits, releases=[ReleaseOp(seq_id)])
     assert h.pool.host.counters.num_demotions > 0 and h.pool.host.counters.num_loads > 0
+
+
+def test_seen_twice_counts_sightings_fleet_wide():
+    """A prefix computed on this worker and again on another is no one-off: with the
+    seen-twice rule it is demoted here although this pool never hit it."""
+    h = harness(num_blocks=4, block_size=BS, host=HostSpec(8), demote_min_hits=1)
+    other = h.directory.register_pool(16, BS, NAMESPACE, "worker-1:50052")
+    h.run(1, A)  # A: computed here once
+    h.directory.step(other.pool_id, other.epoch, admits=[AdmitOp(1, A)])  # ...and on the other worker
+    h.directory.step(other.pool_id, other.epoch, commits=[CommitOp(1, [0, 1], A)], releases=[ReleaseOp(1)])
+    h.run(2, [40, 41, 42, 43])  # a one-off, seen once
+    step = h.step(admits=[_admit(3, B)])  # evicts both: only A is worth a copy
+    assert len(step.demotions) == 2
+    match = h.directory.lookup(A, pool_id=h.pool_id)[0]
+    assert match.num_host_cached_tokens == 4, "A was seen twice across the fleet"
+    assert h.directory.lookup([40, 41, 42, 43], pool_id=h.pool_id)[0].num_cached_tokens == 0
