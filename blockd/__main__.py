@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         default=_env("DEMOTE_MIN_HITS", str(defaults.demote_min_hits)),
-        help="demote an evicted block to its worker's host tier only if it was hit at least N times "
+        help="demote an evicted block to its worker's host tier only if it was seen (computed or hit, on any "
+        "worker) more than N times "
         f"(0: always; 1: seen twice) [BLOCKD_DEMOTE_MIN_HITS; {defaults.demote_min_hits}]",
     )
     parser.add_argument(

@@ -21,8 +21,9 @@ class DirectoryConfig:
     max_sequence_tokens: int = 131_072
     # A lease lapses this long after the worker's last RegisterPool/RenewLease/Step.
     lease_ttl_seconds: float = 10.0
-    # A device eviction demotes a block to its worker's host tier when it was hit at
-    # least this often (0: every evicted block; 1: seen twice, i.e. not a one-off).
+    # A device eviction demotes a block to its worker's host tier when it was seen
+    # (computed or hit, on any pool: `blockd.sightings`) more than this many times
+    # (0: every evicted block; 1: seen twice, i.e. not a one-off).
     demote_min_hits: int = 0
     eviction_policy: str = DEFAULT_POLICY
     # Hashes each pool remembers after they leave its index (blockd.ghosts): for miss

@@ -115,8 +115,8 @@ class BlockPool:
         self.host = (
             HostTier(host_spec, block_size, host_policy, counters.host) if host_spec.num_blocks else None
         )
-        # A block is demoted when it was hit at least this often (0: always; 1: seen
-        # twice), or when host-only children depend on it.
+        # A block is demoted when it was seen more than this many times (0: always; 1:
+        # seen twice), or when host-only children depend on it.
         self.demote_min_hits = demote_min_hits
         # Shared by every pool of the directory; None when the rule needs no count.
         self.sightings = sightings if demote_min_hits > 0 else None
