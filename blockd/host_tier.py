@@ -97,15 +97,12 @@ class HostTier:
     def num_referenced(self) -> int:
         return self.num_blocks - len(self.free) - self.num_evictable
 
-    def pays_to_load(self, num_blocks: int) -> bool:
-        """Whether copying `num_blocks` host blocks in is estimated faster than
-        recomputing them (unknown costs: load). Per block both costs are linear, so
-        the run's length cancels out; it stays in the signature for a model that
-        charges a fixed start-up cost per copy."""
+    @property
+    def pays_to_load(self) -> bool:
+        """Whether copying a host block in is estimated faster than recomputing it
+        (unknown costs: load). Both costs are per block, so a run's length cancels."""
         load, recompute = self.load_seconds_per_block, self.recompute_seconds_per_block
-        if load <= 0.0 or recompute <= 0.0:
-            return True
-        return num_blocks * load < num_blocks * recompute
+        return load <= 0.0 or recompute <= 0.0 or load < recompute
 
     # ------------------------------------------------------------ references
 

@@ -214,7 +214,7 @@ class BlockPool:
         hits, host_hits = self.match_tiers(prompt) if cache_policy is not CachePolicy.NONE else ([], [])
         host = self.host
         not_loaded = False  # host hits left behind: loading them was estimated slower
-        if host_hits and not host.pays_to_load(len(host_hits)):  # type: ignore[union-attr]
+        if host_hits and not host.pays_to_load:  # type: ignore[union-attr]
             host.counters.num_loads_skipped += 1  # type: ignore[union-attr]
             host_hits = []
             not_loaded = True

@@ -38,6 +38,18 @@ class CommitOp:
 
 
 @dataclass
+class CopyPlan:
+    """The host tier copies blockd's answers owe, in the order they must run: demotions
+    (device block -> host block) before loads (host block -> device block)."""
+
+    demotions: list[tuple[BlockId, int]] = field(default_factory=list)
+    loads: list[tuple[BlockId, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.demotions or self.loads)
+
+
+@dataclass
 class DirectoryOps:
     """Everything one engine iteration asks of blockd, applied there in this order.
 

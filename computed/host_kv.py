@@ -12,24 +12,11 @@ the normal commit after that forward, so nobody can hit it before its bytes are 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from computed.directory_ops import CopyPlan
 from computed.kv_pool import KVPool
-
-BlockCopies = list[tuple[int, int]]  # (device block id, host block id)
-
-
-@dataclass
-class CopyPlan:
-    """The copies one Step answer owes, in the order they must run."""
-
-    demotions: BlockCopies = field(default_factory=list)
-    loads: BlockCopies = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.demotions or self.loads)
 
 
 class HostKV:

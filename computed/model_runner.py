@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from computed.attention import AttentionBatch, SpanInput
-from computed.host_kv import CopyPlan, HostKV
+from computed.directory_ops import CopyPlan
+from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
 from computed.sampling import make_generator, sample
 from computed.scheduler import ScheduledChunk

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from computed.directory_ops import (
     AdmitOp,
     CommitOp,
+    CopyPlan,
     DirectoryOps,
     DirectoryResult,
     GrowOp,
     ResyncSequence,
 )
-from computed.host_kv import CopyPlan
 from computed.prefix_wait import PrefixLeaders
 from computed.sequence import Sequence, SequenceId, SequenceStatus
 
