@@ -40,14 +40,23 @@ class RunOutcome:
 
 
 async def generate_one(
-    client: AsyncComputedClient, token_ids: Sequence[int], max_tokens: int, timeout: float = 600.0
+    client: AsyncComputedClient,
+    token_ids: Sequence[int],
+    max_tokens: int,
+    timeout: float = 600.0,
+    stream_interval: int = 0,
 ) -> Outcome:
     started = time.perf_counter()
     first: float | None = None
     tokens: list[int] = []
     usage = None
     stream = client.generate(
-        token_ids=list(token_ids), max_tokens=max_tokens, ignore_eos=True, temperature=0.0, timeout=timeout
+        token_ids=list(token_ids),
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        timeout=timeout,
+        stream_interval=stream_interval,
     )
     async for chunk in stream:
         if chunk.token_ids and first is None:
@@ -69,15 +78,20 @@ async def generate_one(
 
 
 async def run_requests(
-    address: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int
+    address: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    concurrency: int,
+    stream_interval: int = 0,
 ) -> RunOutcome:
-    """All prompts through one channel, `concurrency` streams at a time."""
+    """All prompts through one channel, `concurrency` streams at a time (each streamed
+    per `stream_interval`, see GenerateRequest)."""
     async with AsyncComputedClient(address) as client:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(prompt: Sequence[int]) -> Outcome:
             async with gate:
-                return await generate_one(client, prompt, max_tokens)
+                return await generate_one(client, prompt, max_tokens, stream_interval=stream_interval)
 
         started = time.perf_counter()
         outcomes = await asyncio.gather(*(one(p) for p in prompts))

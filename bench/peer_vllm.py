@@ -226,14 +226,14 @@ def _run_ours(ctx: BenchContext, loads: list[Workload]) -> dict[str, SideRun]:
     return best
 
 
-async def _conversations(address: str, load: Workload) -> SideRun:
+async def _conversations(address: str, load: Workload, stream_interval: int = 0) -> SideRun:
     histories = [list(load.system) for _ in load.conversations]
     wall, prompts_sent, outputs, cached = 0.0, [], [], []
     for turn in range(max(len(c) for c in load.conversations)):
         live = [i for i, c in enumerate(load.conversations) if turn < len(c)]
         prompts = [histories[i] + load.conversations[i][turn] for i in live]
         started = time.perf_counter()
-        done = await run_requests(address, prompts, OUTPUT, len(prompts))
+        done = await run_requests(address, prompts, OUTPUT, len(prompts), stream_interval)
         wall += time.perf_counter() - started
         for i, prompt, outcome in zip(live, prompts, done.outcomes):
             histories[i] = prompt + list(outcome.token_ids)

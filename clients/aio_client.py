@@ -24,7 +24,7 @@ from clients import core
 from clients.client import DEFAULT_BLOCKD, DEFAULT_COMPUTED
 from clients.errors import KVCacheError
 from clients.options import ClientOptions, open_aio_channel
-from clients.requests import MessageLike, Prompt, SamplingParams
+from clients.requests import WHOLE_COMPLETION, MessageLike, Prompt, SamplingParams
 from clients.routing import Router, Tokenized
 from clients.types import (
     BlockEvent,
@@ -291,6 +291,7 @@ class AsyncComputedClient:
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout)
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        kwargs.setdefault("stream_interval", WHOLE_COMPLETION)
         return await self.generate(prompt, **kwargs).completion()
 
     def generate_prompt(
@@ -408,6 +409,7 @@ class AsyncKVCacheClient:
         return stream
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        kwargs.setdefault("stream_interval", WHOLE_COMPLETION)
         return await self.generate(prompt, **kwargs).completion()
 
     async def tokenize_prompt(self, prompt: Prompt) -> list[int]:

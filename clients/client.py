@@ -27,7 +27,7 @@ import grpc
 from clients import core
 from clients.errors import KVCacheError
 from clients.options import ClientOptions, open_channel
-from clients.requests import MessageLike, Prompt, SamplingParams
+from clients.requests import WHOLE_COMPLETION, MessageLike, Prompt, SamplingParams
 from clients.routing import Router, Tokenized
 from clients.types import (
     BlockEvent,
@@ -293,6 +293,7 @@ class ComputedClient:
         return self.generate_prompt(request, SamplingParams.of(**sampling), timeout=timeout)
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        kwargs.setdefault("stream_interval", WHOLE_COMPLETION)
         return self.generate(prompt, **kwargs).completion()
 
     def generate_prompt(
@@ -417,6 +418,7 @@ class KVCacheClient:
         return stream
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        kwargs.setdefault("stream_interval", WHOLE_COMPLETION)
         return self.generate(prompt, **kwargs).completion()
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:

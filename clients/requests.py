@@ -9,6 +9,9 @@ from typing import Any
 from clients.types import ChatMessage
 from kvcache.v1 import cache_policy_pb2, generation_pb2
 
+# stream_interval meaning "send the first token, then everything at the end" (uint32 max).
+WHOLE_COMPLETION = 2**32 - 1
+
 MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
 CACHE_POLICIES = {
     "store": cache_policy_pb2.CACHE_POLICY_STORE,
@@ -29,6 +32,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Tokens per message after the first (0: every token). `complete()` reads only the
+    # whole completion, so it asks for WHOLE_COMPLETION: two messages, not one per token.
+    stream_interval: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stream_interval <= WHOLE_COMPLETION:
+            raise ValueError(f"stream_interval must be 0 .. {WHOLE_COMPLETION}, got {self.stream_interval}")
 
     @classmethod
     def of(cls, **sampling: Any) -> SamplingParams:
@@ -97,6 +107,7 @@ class Prompt:
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            stream_interval=params.stream_interval,
             cache_salt=self.cache_salt,
             public_prefix_tokens=self.public_prefix_tokens,
             request_id=self.request_id,

@@ -73,11 +73,34 @@ class EngineStats:
 
 @dataclass
 class _Request:
+    """A request in flight. Tokens after the first are held until `stream_interval` of
+    them are waiting (or the request ends), so each queued chunk is one message."""
+
     seq: Sequence
     output: OutputText
     queue: asyncio.Queue
     arrival: float
+    stream_interval: int = 1
     first_token_at: float | None = None
+    held_tokens: list[int] = field(default_factory=list)
+    held_text: list[str] = field(default_factory=list)
+
+    def send(self, token: int, text: str, first: bool) -> None:
+        """Queue one token's chunk now, or hold it for the next message."""
+        if first or self.stream_interval == 1:
+            self.queue.put_nowait(GenerationChunk([token], text))
+            return
+        self.held_tokens.append(token)
+        self.held_text.append(text)
+        if len(self.held_tokens) >= self.stream_interval:
+            self.queue.put_nowait(GenerationChunk(self.held_tokens, "".join(self.held_text)))
+            self.held_tokens, self.held_text = [], []
+
+    def last(self, tail: str, reason: str, usage: Usage) -> None:
+        """Queue the final chunk, carrying whatever is held."""
+        text = "".join(self.held_text) + tail
+        self.queue.put_nowait(GenerationChunk(self.held_tokens, text, reason, usage))
+        self.held_tokens, self.held_text = [], []
 
 
 class Engine:
@@ -149,8 +172,11 @@ class Engine:
         public_prefix_tokens: int = 0,
         cache_policy: str = "store",
         retention_priority: int = 0,
+        stream_interval: int = 1,
     ) -> tuple[int, asyncio.Queue]:
-        """Queue a request; its chunks arrive on the returned queue (the last has usage)."""
+        """Queue a request; its chunks arrive on the returned queue (the last has usage):
+        the first token at once, then one chunk per `stream_interval` tokens."""
+        assert stream_interval >= 1, f"stream_interval must be >= 1, got {stream_interval}"
         seq = Sequence(
             next(self._sequence_ids),
             list(prompt_token_ids),
@@ -161,7 +187,9 @@ class Engine:
             cache_policy,
             retention_priority,
         )
-        req = _Request(seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic())
+        req = _Request(
+            seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic(), stream_interval
+        )
         self._requests[seq.sequence_id] = req
         self.runner.add_sequence(seq.sequence_id, params.seed)
         self.scheduler.add(seq)
@@ -305,7 +333,8 @@ class Engine:
         req = self._requests.get(seq.sequence_id)
         if req is None:
             return
-        if req.first_token_at is None:
+        first = req.first_token_at is None
+        if first:
             req.first_token_at = time.monotonic()
             if self.observer is not None:
                 self.observer.on_first_token(req.first_token_at - req.arrival)
@@ -313,11 +342,9 @@ class Engine:
         text, hit_stop = req.output.push(token)
         if hit_stop and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
+        req.send(token, text, first)
         if seq.is_finished:
-            req.queue.put_nowait(GenerationChunk([token], text))
             self._finish(req, seq.finish_reason or "stop", stopped=hit_stop)
-        else:
-            req.queue.put_nowait(GenerationChunk([token], text))
 
     def _finish(self, req: _Request, reason: str, stopped: bool) -> None:
         seq = req.seq
@@ -335,5 +362,4 @@ class Engine:
             num_preemptions=seq.num_preemptions,
             host_cached_tokens=seq.num_host_cached_tokens,
         )
-        tail = req.output.finish(stopped=stopped or reason == "cancelled")
-        req.queue.put_nowait(GenerationChunk([], tail, reason, usage))
+        req.last(req.output.finish(stopped=stopped or reason == "cancelled"), reason, usage)

@@ -84,6 +84,7 @@ class GenerateInput:
     request_id: str = ""
     cache_policy: str = "store"  # the service maps the proto enum; anything else is refused
     retention_priority: int = 0
+    stream_interval: int = 1  # tokens per message after the first; 0 means 1
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class AdmittedRequest:
     request_id: str  # "" when the client sent none
     cache_policy: str = "store"  # one of CACHE_POLICIES
     retention_priority: int = 0  # 0 .. MAX_RETENTION_PRIORITY
+    stream_interval: int = 1  # >= 1
 
 
 class RequestPolicy:
@@ -133,6 +135,7 @@ class RequestPolicy:
             request.request_id,
             request.cache_policy,
             request.retention_priority,
+            max(1, request.stream_interval),
         )
 
     def tokenize(

@@ -141,6 +141,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             admitted.public_prefix_tokens,
             admitted.cache_policy,
             admitted.retention_priority,
+            admitted.stream_interval,
         )
         request_id = admitted.request_id or f"req-{sequence_id}"
         finished = False
@@ -232,6 +233,7 @@ def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
         request_id=request.request_id,
         cache_policy=_CACHE_POLICIES.get(request.cache_policy, str(request.cache_policy)),
         retention_priority=request.retention_priority,
+        stream_interval=request.stream_interval,
     )
 
 

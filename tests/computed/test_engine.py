@@ -56,9 +56,14 @@ def build(
     return Engine(scheduler, runner, directory), directory
 
 
-async def generate(engine: Engine, prompt: list[int], max_tokens: int) -> list[GenerationChunk]:
+async def generate(
+    engine: Engine, prompt: list[int], max_tokens: int, stream_interval: int = 1
+) -> list[GenerationChunk]:
     _, queue = engine.add_request(
-        prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), SilentDecoder()
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        SilentDecoder(),
+        stream_interval=stream_interval,
     )
     chunks = [await asyncio.wait_for(queue.get(), timeout=30)]
     while chunks[-1].finish_reason is None:
@@ -105,6 +110,33 @@ def test_second_identical_prompt_is_served_from_cache(tiny_models: TinyModels) -
         assert engine.stats.num_prefill_tokens < 2 * len(PROMPT), "the warm prompt was recomputed"
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("interval", "sizes"),
+    [(1, [1, 1, 1, 1, 1, 1, 1, 0]), (3, [1, 3, 3, 0]), (4, [1, 4, 2]), (1000, [1, 6])],
+)
+def test_stream_interval_groups_tokens_after_the_first(
+    tiny_models: TinyModels, interval: int, sizes: list[int]
+) -> None:
+    """The first token comes alone (time to first token), then one chunk per `interval`
+    tokens; the last chunk carries what is left with usage; the tokens are the same."""
+
+    async def run() -> tuple[list[GenerationChunk], list[GenerationChunk]]:
+        engine, _ = build(tiny_models)
+        await engine.start()
+        try:
+            every = await generate(engine, PROMPT, max_tokens=7)
+            grouped = await generate(engine, PROMPT, max_tokens=7, stream_interval=interval)
+        finally:
+            await engine.stop(drain_seconds=1)
+        return every, grouped
+
+    every, grouped = asyncio.run(run())
+    assert [len(c.token_ids) for c in grouped] == sizes
+    assert token_ids(grouped) == token_ids(every)
+    assert grouped[-1].usage is not None and grouped[-1].usage.completion_tokens == 7
+    assert all(c.finish_reason is None for c in grouped[:-1])
 
 
 def test_a_prefix_evicted_to_the_host_tier_comes_back_with_the_same_tokens(tiny_models: TinyModels) -> None:

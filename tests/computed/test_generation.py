@@ -131,6 +131,20 @@ def test_prompt_shorter_than_one_block(stack):
     assert out == hf_greedy(stack.model_dir, p, 7)
 
 
+def test_stream_interval_sends_fewer_messages_with_the_same_tokens(stack):
+    p = prompt(7, 2 * BLOCK + 3)
+    req = generation_pb2.GenerateRequest(
+        prompt_token_ids=p, max_tokens=9, temperature=0.0, ignore_eos=True, stream_interval=4
+    )
+    messages = list(stack.gen.Generate(req, timeout=120))
+    # First token alone, then 4 per message, the last with usage (a slow reader may get
+    # queued messages merged, never more of them).
+    assert len(messages) <= 4, [len(m.token_ids) for m in messages]
+    assert len(messages[0].token_ids) in (1, 5, 9), "the first token is sent alone"
+    assert [t for m in messages for t in m.token_ids] == hf_greedy(stack.model_dir, p, 9)
+    assert messages[-1].finish_reason == "length" and messages[-1].usage.completion_tokens == 9
+
+
 def test_mixed_batch_arriving_together(stack):
     prompts = [prompt(10 + i, n) for i, n in enumerate([3, 9, 17, 4, 25, 12])]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
