@@ -98,5 +98,11 @@ async def run_requests(
         return RunOutcome(list(outcomes), time.perf_counter() - started)
 
 
-def run_sync(address: str, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int) -> RunOutcome:
-    return asyncio.run(run_requests(address, prompts, max_tokens, concurrency))
+def run_sync(
+    address: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    concurrency: int,
+    stream_interval: int = 0,
+) -> RunOutcome:
+    return asyncio.run(run_requests(address, prompts, max_tokens, concurrency, stream_interval))
