@@ -16,6 +16,8 @@ const protoLoader = require('@grpc/proto-loader');
 
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'proto');
 const PROTO_FILES = ['kvcache/v1/directory.proto', 'kvcache/v1/generation.proto'];
+// stream_interval asking for the whole completion after the first token (uint32 max).
+const WHOLE_COMPLETION = 4294967295;
 
 let cachedPackage = null;
 
@@ -107,7 +109,7 @@ class KVCacheClient {
     }
   }
 
-  // Streams GenerateResponse messages: { request_id, token_ids, text, finish_reason, usage }.
+  // Streams GenerateResponse messages (one per token, or per request.stream_interval tokens): { request_id, token_ids, text, finish_reason, usage }.
   // request: { prompt | prompt_token_ids | messages, max_tokens, temperature, cache_salt, ... }
   async *generate(request) {
     const call = this.generation.Generate(request, new grpc.Metadata(),
@@ -129,10 +131,11 @@ class KVCacheClient {
     }
   }
 
-  // The whole completion: { request_id, text, token_ids, finish_reason, usage }.
+  // The whole completion: { request_id, text, token_ids, finish_reason, usage }. Asks for
+  // it in two messages (stream_interval: the first token, then the rest) unless told.
   async complete(request) {
     const result = { request_id: '', text: '', token_ids: [], finish_reason: null, usage: null };
-    for await (const chunk of this.generate(request)) {
+    for await (const chunk of this.generate({ stream_interval: WHOLE_COMPLETION, ...request })) {
       result.request_id = result.request_id || chunk.request_id;
       result.text += chunk.text;
       result.token_ids.push(...chunk.token_ids);
