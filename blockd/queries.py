@@ -136,9 +136,11 @@ def total(pools: Iterable[PoolStats]) -> PoolStats:
     if shareds:
         # Pools of one namespace see the same store: its size is counted once (the
         # largest namespace's), the per-pool counters are summed.
-        sums = {name: sum(getattr(s, name) for s in shareds) for name in _TIER_SUMMED}
-        sums["num_blocks"] = sums["num_evictable_blocks"] = max(s.num_blocks for s in shareds)
-        shared = TierStats(Tier.SHARED, **sums, load_seconds_per_block=0.0, recompute_seconds_per_block=0.0)
+        tier_sums = {name: sum(getattr(s, name) for s in shareds) for name in _TIER_SUMMED}
+        tier_sums["num_blocks"] = tier_sums["num_evictable_blocks"] = max(s.num_blocks for s in shareds)
+        shared = TierStats(
+            Tier.SHARED, **tier_sums, load_seconds_per_block=0.0, recompute_seconds_per_block=0.0
+        )
     misses: dict[str, int] = {}
     for p in pools:
         for reason, num_tokens in p.miss_tokens:
