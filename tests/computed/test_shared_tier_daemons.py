@@ -13,7 +13,7 @@ import time
 import pytest
 import valkey
 
-from clients.spawn import spawn, start_valkey, valkey_server_binary
+from clients.spawn import free_port, spawn, start_valkey, valkey_server_binary
 from kvcache.v1 import directory_pb2
 from tests.computed.test_generation import Stack, hf_greedy, prompt
 from tests.daemons import start_blockd, start_computed
@@ -188,3 +188,27 @@ def test_flush_empties_the_namespace_keys(fleet: Fleet):
     assert [row.tier for row in reply.tiers] == [SHARED] and reply.tiers[0].dropped > 0
     assert fleet.keys() == []
     assert fleet.shared_blocks() == 0
+
+
+def test_both_daemons_start_and_serve_while_the_store_is_unreachable(tmp_path, fleet: Fleet):
+    dead = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
+    blockd = start_blockd(tmp_path, "--shared-tier", dead)
+    try:
+        computed = start_computed(
+            tmp_path, blockd.address, "--block-size", str(BLOCK), "--shared-tier", dead, model=fleet.model_dir
+        )
+        stack = Stack(blockd, computed, fleet.model_dir)
+        try:
+            p = prompt(9, 5 * BLOCK + 1)
+            first, _ = stack.generate(p, 6)
+            again, usage = stack.generate(p, 6)
+            assert first == again == hf_greedy(fleet.model_dir, p, 6)
+            assert (
+                usage.cached_tokens == 5 * BLOCK and usage.shared_cached_tokens == 0
+            )  # the device pool serves
+            assert "shared_tier_unreachable" in computed.log()
+            assert "shared tier unreachable" in blockd.log()
+        finally:
+            assert computed.stop() == 0, computed.log()
+    finally:
+        assert blockd.stop() == 0, blockd.log()
