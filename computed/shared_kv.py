@@ -18,12 +18,17 @@ a Step answer says so:
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
 from computed.kv_pool import KVPool
-from computed.shared_store import Layout, SharedStore, StoredBlock, block_key, decode, encode
+from computed.shared_store import Layout, SharedStore, StoredBlock, block_key, decode, header
+
+# Write batches under way at once; past it, new writes are dropped (a slow store must
+# not hold an unbounded amount of K/V in this process).
+MAX_WRITES_IN_FLIGHT = 8
 
 
 class SharedKV:
@@ -49,31 +54,36 @@ class SharedKV:
     # ------------------------------------------------------------ stores
 
     @torch.inference_mode()
-    def snapshot(self, blocks: Sequence[StoredBlock]) -> list[tuple[str, bytes]]:
-        """(key, value) of each block, read from the device pool now (forward thread)."""
+    def snapshot(self, blocks: Sequence[StoredBlock]) -> list[tuple[str, memoryview]]:
+        """(key, value) of each block, read from the device pool now (forward thread):
+        each block's K/V is copied once, straight into its value's buffer."""
         namespace = self.namespace
         if not blocks or namespace is None:
             return []
-        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=self.pool.device)
-        kv = self.pool.kv[:, :, ids].to("cpu")  # (L, 2, n, bs, H, D)
-        raw = kv.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8).reshape(len(blocks), -1)
-        data = raw.numpy()
-        return [
-            (block_key(namespace, b.block_hash), encode(namespace, b, self.layout, data[i].tobytes()))
-            for i, b in enumerate(blocks)
-        ]
+        pool, layout = self.pool, self.layout
+        shape = (pool.num_layers, 2, pool.block_size, pool.num_kv_heads, pool.head_dim)
+        items = []
+        for block in blocks:
+            head = header(namespace, block, layout)
+            value = bytearray(len(head) + layout.kv_nbytes)
+            value[: len(head)] = head
+            kv = torch.frombuffer(value, dtype=torch.uint8, offset=len(head)).view(pool.dtype).view(shape)
+            kv.copy_(pool.kv[:, :, block.block_id])  # (L, 2, bs, H, D)
+            items.append((block_key(namespace, block.block_hash), memoryview(value)))
+        return items
 
-    def start_write(self, items: list[tuple[str, bytes]], blocks: Sequence[StoredBlock]) -> None:
+    def start_write(self, items: list[tuple[str, memoryview]], blocks: Sequence[StoredBlock]) -> None:
         """Write in the background; the outcome waits in the reports."""
-        if not items:
-            if blocks:  # no namespace yet: nothing can be written
-                self._failed.extend(b.block_hash for b in blocks)
+        if not items or len(self._writes) >= MAX_WRITES_IN_FLIGHT:
+            # No namespace yet, or a store slower than the commits: drop, count, report.
+            self.store.counters.num_write_failures += len(items)
+            self._failed.extend(b.block_hash for b in blocks)
             return
         task = asyncio.get_running_loop().create_task(self._write(items, [b.block_hash for b in blocks]))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, items: list[tuple[str, bytes]], hashes: list[bytes]) -> None:
+    async def _write(self, items: list[tuple[str, memoryview]], hashes: list[bytes]) -> None:
         done = await self.store.write(items)
         for block_hash, ok in zip(hashes, done):
             (self._written if ok else self._failed).append(block_hash)
@@ -103,15 +113,14 @@ class SharedKV:
 
     @torch.inference_mode()
     def apply_fetched(self, block_ids: Sequence[int], kvs: Sequence[memoryview]) -> None:
-        """Copy fetched K/V into the device blocks (forward thread)."""
-        if not block_ids:
-            return
+        """Copy fetched K/V into the device blocks (forward thread), each once."""
         pool = self.pool
-        raw = torch.frombuffer(bytearray(b"".join(kvs)), dtype=torch.uint8)
-        shape = (len(block_ids), pool.num_layers, 2, pool.block_size, pool.num_kv_heads, pool.head_dim)
-        blocks = raw.view(pool.dtype).reshape(shape).permute(1, 2, 0, 3, 4, 5)  # (L, 2, n, bs, H, D)
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-        pool.kv[:, :, ids] = blocks.to(pool.device)
+        shape = (pool.num_layers, 2, pool.block_size, pool.num_kv_heads, pool.head_dim)
+        with warnings.catch_warnings():  # read-only buffers: torch only reads them here
+            warnings.simplefilter("ignore", UserWarning)
+            for block_id, kv in zip(block_ids, kvs):
+                source = torch.frombuffer(kv, dtype=torch.uint8).view(pool.dtype).view(shape)
+                pool.kv[:, :, block_id].copy_(source)  # (L, 2, bs, H, D)
 
     # ------------------------------------------------------------ reports
 

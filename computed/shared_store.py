@@ -78,8 +78,13 @@ def block_key(namespace: bytes, block_hash: bytes) -> str:
 
 def encode(namespace: bytes, block: StoredBlock, layout: Layout, kv: bytes) -> bytes:
     assert len(kv) == layout.kv_nbytes, f"{len(kv)} K/V bytes for a {layout.kv_nbytes}-byte block"
+    return header(namespace, block, layout) + kv
+
+
+def header(namespace: bytes, block: StoredBlock, layout: Layout) -> bytes:
+    """The part of a value before its K/V bytes: the header, then the block's tokens."""
     flags = (HAS_PARENT if block.parent_hash is not None else 0) | (SALTED if block.salt_digest else 0)
-    header = HEADER.pack(
+    fixed = HEADER.pack(
         MAGIC,
         VERSION,
         flags,
@@ -92,11 +97,10 @@ def encode(namespace: bytes, block: StoredBlock, layout: Layout, kv: bytes) -> b
         layout.num_kv_heads,
         layout.head_dim,
         layout.block_size,
-        len(kv),
+        layout.kv_nbytes,
         layout.dtype.encode().ljust(16, b"\0"),
     )
-    tokens = struct.pack(f"<{len(block.token_ids)}I", *block.token_ids)
-    return header + tokens + kv
+    return fixed + struct.pack(f"<{len(block.token_ids)}I", *block.token_ids)
 
 
 def decode(value: bytes | None, namespace: bytes, block: StoredBlock, layout: Layout) -> memoryview | None:
@@ -155,8 +159,13 @@ class SharedStore:
         password = os.environ.get(PASSWORD_ENV) or None
         self.url = url
         # Two connection pools: a slow write batch never delays a read.
+        # Large reads: a fetch is often megabytes (bench.shared_tier: 8 MiB for a 2K prefix).
         self._reader = valkey.from_url(
-            url, password=password, socket_timeout=read_timeout, socket_connect_timeout=read_timeout
+            url,
+            password=password,
+            socket_timeout=read_timeout,
+            socket_connect_timeout=read_timeout,
+            socket_read_size=1 << 20,
         )
         self._writer = valkey.from_url(
             url, password=password, socket_timeout=write_timeout, socket_connect_timeout=write_timeout
@@ -180,7 +189,7 @@ class SharedStore:
             self._failed(exc)
             return False
 
-    async def write(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+    async def write(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
         """SET each value under a temporary key, then RENAME it onto its key: one
         pipeline for the batch. Answers, per item, whether it is now under its key."""
         if not items:
