@@ -519,6 +519,12 @@ class SharedTierCollidingMachine(SharedTierMachine):
     hasher = CollidingDirectoryMachine.hasher
 
 
+class SharedAndHostTierMachine(SharedTierMachine):
+    """Every tier at once: the walk goes device -> host -> shared."""
+
+    host_spec = HostSpec(NUM_BLOCKS // 2, has_shared_tier=True)
+
+
 class TieredDirectoryMachine(DirectoryMachine):
     """A host tier half the device pool's size: evictions demote, admissions load."""
 
@@ -586,6 +592,7 @@ TestLfudaDirectoryMachine = _test_case(LfudaDirectoryMachine, _fast)
 TestSharedTierMachine = _test_case(SharedTierMachine, _fast)
 TestSharedTierSeenTwiceMachine = _test_case(SharedTierSeenTwiceMachine, _fast)
 TestSharedTierCollidingMachine = _test_case(SharedTierCollidingMachine, _fast)
+TestSharedAndHostTierMachine = _test_case(SharedAndHostTierMachine, _fast)
 TestLongDirectoryMachine = _test_case(DirectoryMachine, _long, *_slow)
 TestLongTieredDirectoryMachine = _test_case(TieredDirectoryMachine, _long, *_slow)
 TestLongCollidingDirectoryMachine = _test_case(CollidingDirectoryMachine, _long, *_slow)
