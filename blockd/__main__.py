@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         "deletes what a flush drops [BLOCKD_SHARED_TIER]",
     )
     parser.add_argument(
+        "--shared-index-max-blocks",
+        type=int,
+        metavar="N",
+        default=_env("SHARED_INDEX_MAX_BLOCKS", str(defaults.shared_index_max_blocks)),
+        help="shared tier blocks blockd indexes per namespace; the least recently used are forgotten "
+        f"first [BLOCKD_SHARED_INDEX_MAX_BLOCKS; {defaults.shared_index_max_blocks}]",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         default=_env("READY_FILE"),
@@ -178,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         demote_min_hits=args.demote_min_hits,
         event_log_capacity=args.event_log_capacity,
         pin_budget=args.pin_budget,
+        shared_index_max_blocks=args.shared_index_max_blocks,
         # Epochs start at the wall clock (ms) so they keep growing across restarts.
         initial_epoch=int(time.time() * 1000),
     )

@@ -38,6 +38,9 @@ class DirectoryConfig:
     event_log_capacity: int = 10_000
     # ... and at most this many bytes of them (STORED events carry their tokens).
     event_log_max_bytes: int = 64 * 1024 * 1024
+    # Blocks of the shared tier blockd indexes per namespace (least recently used leave
+    # first; their values stay in the store until the server evicts them).
+    shared_index_max_blocks: int = 1 << 20
     # Route skips a pool whose load exceeds the least loaded pool's by more than this,
     # so one worker holding a hot prefix is not swamped.
     route_load_margin: float = 0.25
@@ -67,6 +70,8 @@ class DirectoryConfig:
             raise ValueError(f"pin_budget must be in [0, 1], got {self.pin_budget}")
         if self.event_log_capacity < 1:
             raise ValueError(f"event_log_capacity must be >= 1, got {self.event_log_capacity}")
+        if self.shared_index_max_blocks < 1:
+            raise ValueError(f"shared_index_max_blocks must be >= 1, got {self.shared_index_max_blocks}")
         if self.demote_min_hits < 0:
             raise ValueError(f"demote_min_hits must be >= 0, got {self.demote_min_hits}")
         if self.event_log_max_bytes < 1:

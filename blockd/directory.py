@@ -81,7 +81,7 @@ class BlockDirectory:
         self._hasher = hasher
         self._pins = PinTable()
         self._sightings = Sightings(max(1, self.config.max_ghosts))  # fleet-wide, for the demotion rule
-        self.shared = SharedTier(hasher)  # every namespace's shared tier index
+        self.shared = SharedTier(hasher, self.config.shared_index_max_blocks)  # every namespace's
         self._leases = PoolLeases(self.config, clock, self._new_pool, self._on_reset)
         self._slots: dict[PoolId, PoolSlot] = self._leases.slots  # read by queries and tests
 
@@ -257,7 +257,11 @@ class BlockDirectory:
     def load_shared(self, seed: BlockHash, records: Seq[SharedRecord]) -> int:
         """Records of one namespace read back from the store (blockd's start-up rebuild);
         answers how many became findable."""
-        return self.shared.index_for(seed).load(records)
+        shared = self.shared.index_for(seed)
+        num = shared.load(records)
+        self._shared_removed(shared.forgotten)
+        shared.forgotten = []
+        return num
 
     def pin(
         self,
@@ -359,6 +363,9 @@ class BlockDirectory:
                 self.events.append(
                     EventKind.DEMOTED, pool.pool_id, tuple(r.block_hash for r in resident), tier=Tier.SHARED
                 )
+        if shared.forgotten:  # the index outgrew its bound
+            self._shared_removed(shared.forgotten)
+            shared.forgotten = []
         if failed:
             counters.num_write_failures += shared.fail(pool.pool_id, [BlockHash(bytes(h)) for h in failed])
         if missing:

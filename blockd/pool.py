@@ -235,7 +235,9 @@ class BlockPool:
             not_loaded = True
         shared_hits: list[SharedRecord] = []
         if self.shared is not None and cache_policy is not CachePolicy.NONE:
-            shared_hits = self.shared.match(prompt, self.block_size)[len(hits) + len(host_hits) :]
+            chain = self.shared.match(prompt, self.block_size)
+            self.shared.touch(chain)
+            shared_hits = chain[len(hits) + len(host_hits) :]
             if shared_hits and not self.pays_to_fetch:
                 self.counters.shared.num_loads_skipped += 1
                 shared_hits = []

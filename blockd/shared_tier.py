@@ -27,6 +27,7 @@ never decide.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -109,12 +110,23 @@ class PendingStore:
 
 
 class SharedIndex:
-    """The shared tier's records of one namespace (one hash seed)."""
+    """The shared tier's records of one namespace (one hash seed).
 
-    def __init__(self, seed: BlockHash, hasher: BlockHasher) -> None:
+    Bounded: past `max_blocks` records, the least recently used ones leave the index
+    (with their descendants), oldest first. Their values stay in the store until the
+    server evicts them; forgetting a record costs a miss, never wrong K/V. Admissions
+    touch their chains child first, so a parent is always more recent than its
+    children and the least recent records are the tails of cold chains."""
+
+    def __init__(self, seed: BlockHash, hasher: BlockHasher, max_blocks: int = 1 << 20) -> None:
+        assert max_blocks >= 1, "the shared index holds at least one block"
         self.seed = seed
-        self.index: dict[BlockHash, SharedRecord] = {}  # resident records
+        # Resident records, least recently used first.
+        self.index: OrderedDict[BlockHash, SharedRecord] = OrderedDict()
         self.pending: dict[BlockHash, PendingStore] = {}
+        self.max_blocks = max_blocks
+        self.num_forgotten = 0  # records dropped to stay within max_blocks
+        self.forgotten: list[SharedRecord] = []  # since the directory last drained it (events)
         self._hasher = hasher
 
     def __len__(self) -> int:
@@ -139,6 +151,12 @@ class SharedIndex:
             hits.append(record)
             parent = record
         return hits
+
+    def touch(self, records: list[SharedRecord]) -> None:
+        """An admission used this chain (parent first): most recent, parents above children."""
+        move = self.index.move_to_end
+        for record in reversed(records):
+            move(record.block_hash)
 
     def is_known(self, block_hash: BlockHash) -> bool:
         return block_hash in self.index or block_hash in self.pending
@@ -167,6 +185,7 @@ class SharedIndex:
                 parent = None
             self._place(record, parent)
             resident.append(record)
+        self._keep_within_bounds()
         return resident
 
     def fail(self, pool_id: PoolId, block_hashes: Iterable[BlockHash]) -> int:
@@ -217,6 +236,7 @@ class SharedIndex:
             self.pending.pop(record.block_hash, None)
             self._place(record, parent)
             num += 1
+        self._keep_within_bounds()
         return num
 
     # ------------------------------------------------------------ private helpers
@@ -229,6 +249,14 @@ class SharedIndex:
             if record.salt_digest is None:
                 record.chain_salt_digest = parent.chain_salt_digest
         self.index[record.block_hash] = record
+
+    def _keep_within_bounds(self) -> None:
+        index = self.index
+        while len(index) > self.max_blocks:
+            dropped: list[SharedRecord] = []
+            self._remove_subtree(next(iter(index.values())), dropped)
+            self.num_forgotten += len(dropped)
+            self.forgotten += dropped
 
     def _remove_subtree(self, root: SharedRecord, dropped: list[SharedRecord]) -> None:
         stack = [root]
@@ -250,12 +278,13 @@ class SharedTier:
     """Every namespace's shared index (created on first use: a pool registering, or a
     rebuild finding its keys)."""
 
-    def __init__(self, hasher: BlockHasher) -> None:
+    def __init__(self, hasher: BlockHasher, max_blocks: int = 1 << 20) -> None:
         self._hasher = hasher
+        self._max_blocks = max_blocks  # per namespace
         self.namespaces: dict[BlockHash, SharedIndex] = {}
 
     def index_for(self, seed: BlockHash) -> SharedIndex:
         index = self.namespaces.get(seed)
         if index is None:
-            index = self.namespaces[seed] = SharedIndex(seed, self._hasher)
+            index = self.namespaces[seed] = SharedIndex(seed, self._hasher, self._max_blocks)
         return index

@@ -144,3 +144,19 @@ def test_a_reset_pool_forgets_its_writes_in_flight():
     assert a.directory.shared.index_for(a.pool.seed).pending == {}
     # b computing the same content is asked to store it now.
     assert len(stored_on(b, 1, A)) == len(stores)
+
+
+def test_the_index_forgets_its_least_recently_used_chains_past_its_bound():
+    a, b = two_pools(shared_index_max_blocks=4)
+    first = [s.block_hash for s in stored_on(a, 1, A)]
+    a.step(shared_written=first)
+    b.admit(2, A + [9])  # A's chain is used: most recent
+    other = [20, 21, 22, 23]  # two more blocks: one too many
+    a.step(shared_written=[s.block_hash for s in stored_on(a, 3, other)])
+    shared = a.directory.shared.index_for(a.pool.seed)
+    # index, least recent first: A2 A1 A0 (touched child first) O0 O1 -> A's tail goes
+    assert len(shared) == 4 and shared.num_forgotten == 1
+    assert b.directory.lookup(A, pool_id=b.pool_id)[0].num_shared_cached_tokens == 4
+    assert b.directory.lookup(other, pool_id=b.pool_id)[0].num_shared_cached_tokens == 4
+    removed = [e for e in a.directory.events.read(0) if e.kind is EventKind.REMOVED and e.tier is Tier.SHARED]
+    assert sum(len(e.block_hashes) for e in removed) == shared.num_forgotten
