@@ -234,7 +234,14 @@ class BlockPool:
             host_hits = []
             not_loaded = True
         shared_hits: list[SharedRecord] = []
-        if self.shared is not None and cache_policy is not CachePolicy.NONE:
+        num_full = num_tokens // self.block_size
+        # The shared walk hashes the prompt again from its first block: only when the
+        # faster tiers leave full blocks uncached.
+        if (
+            self.shared is not None
+            and cache_policy is not CachePolicy.NONE
+            and len(hits) + len(host_hits) < num_full
+        ):
             chain = self.shared.match(prompt, self.block_size)
             self.shared.touch(chain)
             shared_hits = chain[len(hits) + len(host_hits) :]

@@ -264,12 +264,16 @@ def explain(
 def matches(slots: Iterable[PoolSlot], prompt: Prompt) -> list[PoolMatch]:
     """The prompt's cached prefix in each of the (live) slots' pools."""
     found = []
+    shared_chains: dict[bytes, int] = {}  # namespace seed -> its shared chain's length (walked once)
     for slot in slots:
         pool = slot.pool
         device, host = pool.match_tiers(prompt)
         num_shared = 0
-        if pool.shared is not None:
-            num_shared = max(0, len(pool.shared.match(prompt, pool.block_size)) - len(device) - len(host))
+        if pool.shared is not None and len(device) + len(host) < prompt.num_tokens // pool.block_size:
+            chain = shared_chains.get(pool.seed)
+            if chain is None:
+                chain = shared_chains[pool.seed] = len(pool.shared.match(prompt, pool.block_size))
+            num_shared = max(0, chain - len(device) - len(host))
         found.append(
             PoolMatch(
                 pool.pool_id,
