@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "kv_memory": "bench.kv_memory",
     "gpu": "bench.gpu",
     "tiers": "bench.tiers",
+    "shared": "bench.shared_tier",
 }
 # Run only when named: peer's install takes minutes and gigabytes (`make bench-peer`); gateway
 # has its own target (`make bench-gateway`).

@@ -101,6 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
         f"RESOURCE_EXHAUSTED [BLOCKD_PIN_BUDGET; {defaults.pin_budget}]",
     )
     parser.add_argument(
+        "--shared-tier",
+        default=_env("SHARED_TIER"),
+        metavar="URL",
+        help="the shared tier's Valkey/Redis store, redis://HOST:PORT[/DB] (rediss:// for TLS; the "
+        "password from KVCACHE_SHARED_TIER_PASSWORD): blockd rebuilds its index of it at start and "
+        "deletes what a flush drops [BLOCKD_SHARED_TIER]",
+    )
+    parser.add_argument(
+        "--shared-index-max-blocks",
+        type=int,
+        metavar="N",
+        default=_env("SHARED_INDEX_MAX_BLOCKS", str(defaults.shared_index_max_blocks)),
+        help="shared tier blocks blockd indexes per namespace; the least recently used are forgotten "
+        f"first [BLOCKD_SHARED_INDEX_MAX_BLOCKS; {defaults.shared_index_max_blocks}]",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         default=_env("READY_FILE"),
@@ -170,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         demote_min_hits=args.demote_min_hits,
         event_log_capacity=args.event_log_capacity,
         pin_budget=args.pin_budget,
+        shared_index_max_blocks=args.shared_index_max_blocks,
         # Epochs start at the wall clock (ms) so they keep growing across restarts.
         initial_epoch=int(time.time() * 1000),
     )
@@ -185,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         tls=tls,
         shutdown_grace_seconds=args.shutdown_grace,
         directory=directory,
+        shared_tier=args.shared_tier or None,
         # Test hook only: keep this many bytes of each block hash so collisions happen
         # (exact verification must turn every one into a miss).
         test_hash_bytes=int(os.environ["BLOCKD_TEST_HASH_BYTES"])

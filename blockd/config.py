@@ -11,6 +11,7 @@ from blockd.eviction import DEFAULT_POLICY, POLICY_NAMES
 MAX_POOL_BLOCKS = 16_777_216
 MAX_BLOCK_SIZE = 1024
 LOG_FORMATS = ("auto", "console", "json")
+SHARED_TIER_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class DirectoryConfig:
     event_log_capacity: int = 10_000
     # ... and at most this many bytes of them (STORED events carry their tokens).
     event_log_max_bytes: int = 64 * 1024 * 1024
+    # Blocks of the shared tier blockd indexes per namespace (least recently used leave
+    # first; their values stay in the store until the server evicts them).
+    shared_index_max_blocks: int = 1 << 20
     # Route skips a pool whose load exceeds the least loaded pool's by more than this,
     # so one worker holding a hot prefix is not swamped.
     route_load_margin: float = 0.25
@@ -66,6 +70,8 @@ class DirectoryConfig:
             raise ValueError(f"pin_budget must be in [0, 1], got {self.pin_budget}")
         if self.event_log_capacity < 1:
             raise ValueError(f"event_log_capacity must be >= 1, got {self.event_log_capacity}")
+        if self.shared_index_max_blocks < 1:
+            raise ValueError(f"shared_index_max_blocks must be >= 1, got {self.shared_index_max_blocks}")
         if self.demote_min_hits < 0:
             raise ValueError(f"demote_min_hits must be >= 0, got {self.demote_min_hits}")
         if self.event_log_max_bytes < 1:
@@ -109,6 +115,10 @@ class BlockdConfig:
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     # Test hook (env BLOCKD_TEST_HASH_BYTES): truncate block hashes to force collisions.
     test_hash_bytes: int | None = None
+    # The shared tier's store (redis://HOST:PORT[/DB], rediss:// for TLS): blockd rebuilds
+    # its index from it at start and deletes what a Flush drops. None: the index starts
+    # empty and a Flush forgets records without deleting keys.
+    shared_tier: str | None = None
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -126,5 +136,9 @@ class BlockdConfig:
             raise ValueError(f"BLOCKD_TEST_HASH_BYTES must be 1 .. 16, got {self.test_hash_bytes}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.shared_tier is not None and not self.shared_tier.startswith(SHARED_TIER_SCHEMES):
+            raise ValueError(
+                f"--shared-tier must be a redis://HOST:PORT[/DB] or rediss:// URL, got {self.shared_tier!r}"
+            )
         if not 0 <= self.shutdown_grace_seconds <= 300:
             raise ValueError(f"shutdown grace must be 0 .. 300 s, got {self.shutdown_grace_seconds}")

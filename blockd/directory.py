@@ -21,15 +21,17 @@ from blockd.config import DirectoryConfig
 from blockd.events import EventKind, EventLog
 from blockd.eviction import make_policy
 from blockd.ghosts import GhostTable, ghost_capacity
-from blockd.hashing import DEFAULT_HASHER, BlockHasher
+from blockd.hashing import DEFAULT_HASHER, BlockHasher, salt_tag
 from blockd.leases import PoolLeases, PoolSlot
 from blockd.pins import PinTable
 from blockd.pool import BlockPool, PoolCounters
 from blockd.routing import by_cached_prefix, rank_for_route
+from blockd.shared_tier import SharedRecord, SharedTier, salt_digest_of
 from blockd.sightings import Sightings
 from blockd.types import (
     NO_HOST_TIER,
     AdmitOp,
+    BlockHash,
     BlockPage,
     CommitOp,
     FlushResult,
@@ -79,6 +81,7 @@ class BlockDirectory:
         self._hasher = hasher
         self._pins = PinTable()
         self._sightings = Sightings(max(1, self.config.max_ghosts))  # fleet-wide, for the demotion rule
+        self.shared = SharedTier(hasher, self.config.shared_index_max_blocks)  # every namespace's
         self._leases = PoolLeases(self.config, clock, self._new_pool, self._on_reset)
         self._slots: dict[PoolId, PoolSlot] = self._leases.slots  # read by queries and tests
 
@@ -109,6 +112,7 @@ class BlockDirectory:
             config.lease_ttl_seconds,
             config.max_sequence_tokens,
             slot.pool_token,
+            slot.pool.seed.hex() if host.has_shared_tier else "",
         )
 
     def renew_lease(self, pool_id: PoolId, epoch: int) -> float:
@@ -123,16 +127,23 @@ class BlockDirectory:
         releases: Seq[ReleaseOp] = (),
         grows: Seq[GrowOp] = (),
         admits: Seq[AdmitOp] = (),
+        shared_written: Seq[bytes] = (),
+        shared_failed: Seq[bytes] = (),
+        shared_missing: Seq[bytes] = (),
     ) -> StepResult:
         """One scheduler step: every op is validated first (any bad op raises and
         nothing changes), then commits, releases, grows and admits apply in that order.
         A grow or admit that finds too few blocks answers False and changes nothing.
         The answer carries the demotions its evictions owe (copies before the worker's
-        next forward)."""
+        next forward), and the shared tier writes it asks for. The worker's reports of
+        earlier shared tier writes and fetches apply first (hashes blockd does not
+        know are ignored: the records may have left meanwhile)."""
         slot = self._leases.worker_slot(pool_id, epoch)
         pool = slot.pool
         plan = plan_step(pool, self.config, commits, releases, grows, admits)
         self._leases.renew(slot)
+        if pool.shared is not None:
+            self._apply_shared_reports(pool, shared_written, shared_failed, shared_missing)
         for sequence_id, block_ids, data in plan.commits:
             pool.commit(sequence_id, block_ids, data)
         for sequence_id in plan.releases:
@@ -144,7 +155,10 @@ class BlockDirectory:
         if pool.host is not None:
             pool.host.leaves.compact(pool.host.num_evictable)
             demotions, pool.demotions = tuple(pool.demotions), []
-        return StepResult(grown, admitted, pool.num_free, pool.num_evictable, demotions)
+        stores: tuple = ()
+        if pool.stores:
+            stores, pool.stores = tuple(pool.stores), []
+        return StepResult(grown, admitted, pool.num_free, pool.num_evictable, demotions, stores)
 
     def resync(self, pool_id: PoolId, epoch: int, sequences: Seq[ResyncSequence]) -> ResyncResult:
         """Make the worker's declared live sequences the whole state of the pool: it is
@@ -217,13 +231,37 @@ class BlockDirectory:
         check_salt(cache_salt or "", "flush")
         tiers = frozenset(Tier) if tier is None else frozenset({tier})
         per_tier: dict[Tier, list[int]] = {}
+        seeds: dict[BlockHash, None] = {}
         for slot in self._leases.selected(pool_id):
             for pool_tier, dropped, busy in slot.pool.flush(cache_salt or None, tiers):
                 counts = per_tier.setdefault(pool_tier, [0, 0])
                 counts[0] += dropped
                 counts[1] += busy
+            if slot.pool.shared is not None:
+                seeds[slot.pool.seed] = None
+        shared_keys: list[tuple[BlockHash, BlockHash]] = []
+        if Tier.SHARED in tiers and seeds:
+            # The shared tier is the namespace's, not one pool's: flushing it for a pool
+            # flushes it for every pool of that namespace. Nothing there is referenced.
+            digest = salt_digest_of(salt_tag(cache_salt)) if cache_salt else None
+            counts = per_tier.setdefault(Tier.SHARED, [0, 0])
+            for seed in seeds:
+                dropped = self.shared.index_for(seed).flush(digest)
+                counts[0] += len(dropped)
+                shared_keys += [(seed, record.block_hash) for record in dropped]
+                self._shared_removed(dropped)
         rows = tuple((t, d, b) for t, (d, b) in sorted(per_tier.items(), key=lambda item: item[0].value))
-        return FlushResult(sum(r[1] for r in rows), sum(r[2] for r in rows), rows)
+        whole = tuple(seeds) if Tier.SHARED in tiers and not cache_salt else ()
+        return FlushResult(sum(r[1] for r in rows), sum(r[2] for r in rows), rows, tuple(shared_keys), whole)
+
+    def load_shared(self, seed: BlockHash, records: Seq[SharedRecord]) -> int:
+        """Records of one namespace read back from the store (blockd's start-up rebuild);
+        answers how many became findable."""
+        shared = self.shared.index_for(seed)
+        num = shared.load(records)
+        self._shared_removed(shared.forgotten)
+        shared.forgotten = []
+        return num
 
     def pin(
         self,
@@ -301,9 +339,43 @@ class BlockDirectory:
             config.demote_min_hits,
             self._sightings,
             ghosts=ghosts,
+            shared=self.shared.index_for(seed),
         )
 
     def _on_reset(self, pool_id: PoolId) -> None:
-        """A live pool's blocks are about to be dropped: pins lose them, watchers hear it."""
+        """A live pool's blocks are about to be dropped: pins lose them, watchers hear it;
+        its shared tier writes in flight will never be reported."""
         self._pins.forget_pool(pool_id)
         self.events.append(EventKind.CLEARED, pool_id)
+        for shared in self.shared.namespaces.values():
+            shared.forget_pool(pool_id)
+
+    def _apply_shared_reports(
+        self, pool: BlockPool, written: Seq[bytes], failed: Seq[bytes], missing: Seq[bytes]
+    ) -> None:
+        shared = pool.shared
+        assert shared is not None
+        counters = pool.counters.shared
+        if written:
+            resident = shared.confirm(pool.pool_id, [BlockHash(bytes(h)) for h in written])
+            counters.num_stores += len(resident)
+            if resident:
+                self.events.append(
+                    EventKind.DEMOTED, pool.pool_id, tuple(r.block_hash for r in resident), tier=Tier.SHARED
+                )
+        if shared.forgotten:  # the index outgrew its bound
+            self._shared_removed(shared.forgotten)
+            shared.forgotten = []
+        if failed:
+            counters.num_write_failures += shared.fail(pool.pool_id, [BlockHash(bytes(h)) for h in failed])
+        if missing:
+            dropped = shared.drop([BlockHash(bytes(h)) for h in missing])
+            counters.num_missing += len(dropped)
+            self._shared_removed(dropped, pool.pool_id)
+
+    def _shared_removed(self, dropped: list[SharedRecord], pool_id: str = "") -> None:
+        """A REMOVED event of tier SHARED (pool_id: the pool whose fetch found them gone)."""
+        if dropped:
+            self.events.append(
+                EventKind.REMOVED, PoolId(pool_id), tuple(r.block_hash for r in dropped), tier=Tier.SHARED
+            )

@@ -19,6 +19,7 @@ from blockd.types import (
     PoolStats,
     ReleaseOp,
     ResyncSequence,
+    SharedBlock,
     Tier,
     TierStats,
 )
@@ -114,6 +115,18 @@ def pool_stats_to(stats: PoolStats) -> pb.PoolStats:
         max_ghosts=stats.max_ghosts,
         eviction_policy=stats.eviction_policy,
         host=tier_stats_to(stats.host) if stats.host is not None else None,
+        shared=tier_stats_to(stats.shared) if stats.shared is not None else None,
+    )
+
+
+def shared_block_to(block: SharedBlock) -> pb.SharedBlock:
+    return pb.SharedBlock(
+        block_id=block.block_id,
+        block_hash=block.block_hash,
+        parent_hash=block.parent_hash or b"",
+        token_ids=tokens_of(block.token_bytes),
+        salt_digest=block.salt_digest or b"",
+        block_index=block.depth,
     )
 
 
@@ -174,6 +187,7 @@ def pool_match_to(match: PoolMatch) -> pb.PoolMatch:
         load=match.load,
         num_sequences=match.num_sequences,
         num_host_cached_tokens=match.num_host_cached_tokens,
+        num_shared_cached_tokens=match.num_shared_cached_tokens,
     )
 
 
@@ -196,7 +210,7 @@ def event_to(event: BlockEvent) -> pb.WatchEventsResponse:
         parent_hash=event.parent_hash or b"",
         token_ids=tokens_of(event.token_bytes),
         block_ids=event.block_ids,
-        tier=TIERS[event.tier] if event.kind is not EventKind.GAP and event.pool_id else pb.TIER_UNSPECIFIED,
+        tier=TIERS[event.tier] if event.kind is not EventKind.GAP else pb.TIER_UNSPECIFIED,
     )
 
 

@@ -82,12 +82,21 @@ class DirectoryCollector(Collector):
             for pool in stats:
                 family.add_metric([pool.pool_id or ""], getattr(pool, field))
             yield family
-        tiered = [pool for pool in stats if pool.host is not None]
+        # One sample per pool and lower tier (tier="host", tier="shared"); for the shared
+        # tier, demotions are blocks the pool wrote to the store, evictions records
+        # dropped because a fetch found the value gone, and the block gauges count the
+        # namespace's blocks in the store.
+        tiers = [
+            (pool.pool_id or "", name, tier)
+            for pool in stats
+            for name, tier in (("host", pool.host), ("shared", pool.shared))
+            if tier is not None
+        ]
         for families, kind in ((_HOST_COUNTERS, CounterMetricFamily), (_HOST_GAUGES, GaugeMetricFamily)):
             for name, help_text, field in families:
                 family = kind(name, help_text, labels=["pool_id", "tier"])
-                for pool in tiered:
-                    family.add_metric([pool.pool_id or "", "host"], getattr(pool.host, field))
+                for pool_id, tier_name, tier in tiers:
+                    family.add_metric([pool_id, tier_name], getattr(tier, field))
                 yield family
         misses = CounterMetricFamily(
             "kvcache_prefix_cache_misses",

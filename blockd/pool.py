@@ -17,6 +17,13 @@ host-resident blocks and loads them into its own new device blocks (`AdmitResult
 and they become findable in the device pool when the sequence commits them, after the
 copy (commit-after-write, for loads). The identity above holds per tier.
 
+With a shared tier (`blockd.shared_tier`, one index per namespace, shared by its
+pools), a committed block the admission rule accepts is written through: the Step
+answer asks the worker to store it (`stores`), and it becomes findable there once the
+worker reports the write done. An admission's walk goes on through shared records
+after the device and host hits; they get fresh device blocks that the worker fetches
+into (`AdmitResult.shared_loads`) and commits like loads.
+
 Methods assume their arguments were validated (`blockd.validation`); they only
 `assert` internal invariants, so a step that passed validation applies fully.
 """
@@ -30,9 +37,10 @@ from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
 from blockd.eviction import EvictableLeaves, EvictionPolicy, make_policy
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
-from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
+from blockd.hashing import BlockHasher, block_payloads, block_width, salt_tag, split_blocks
 from blockd.host_tier import HostCounters, HostTier
 from blockd.prompt import Prompt
+from blockd.shared_tier import SharedCounters, SharedIndex, SharedRecord, make_identity, salt_digest_of
 from blockd.sightings import Sightings
 from blockd.types import (
     NO_HOST_TIER,
@@ -45,6 +53,7 @@ from blockd.types import (
     HostSpec,
     PoolId,
     SequenceId,
+    SharedBlock,
     Tier,
 )
 
@@ -61,6 +70,7 @@ class PoolCounters:
     num_admissions: int = 0
     num_admissions_deferred: int = 0
     host: HostCounters = field(default_factory=HostCounters)
+    shared: SharedCounters = field(default_factory=SharedCounters)
     # Uncached prompt tokens of admissions by `MissReason` value (blockd.ghosts).
     miss_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -92,6 +102,7 @@ class BlockPool:
         sightings: Sightings | None = None,
         keep_host_copies: bool = False,
         ghosts: GhostTable | None = None,
+        shared: SharedIndex | None = None,
     ) -> None:
         self.pool_id = pool_id
         self.num_blocks = num_blocks
@@ -131,6 +142,10 @@ class BlockPool:
         # Hashes that left the index (bounded; without one, nothing is remembered).
         self.ghosts = ghosts if ghosts is not None else GhostTable(0, lambda: 0.0)
         self.last_miss: Miss | None = None  # the last admission's classification
+        # The namespace's shared tier index, when this pool's worker reaches the store.
+        self.shared = shared if host_spec.has_shared_tier else None
+        # Writes to the shared tier the worker owes; drained into each StepResult.
+        self.stores: list[SharedBlock] = []
 
     # ------------------------------------------------------------ queries
 
@@ -218,6 +233,22 @@ class BlockPool:
             host.counters.num_loads_skipped += 1  # type: ignore[union-attr]
             host_hits = []
             not_loaded = True
+        shared_hits: list[SharedRecord] = []
+        num_full = num_tokens // self.block_size
+        # The shared walk hashes the prompt again from its first block: only when the
+        # faster tiers leave full blocks uncached.
+        if (
+            self.shared is not None
+            and cache_policy is not CachePolicy.NONE
+            and len(hits) + len(host_hits) < num_full
+        ):
+            chain = self.shared.match(prompt, self.block_size)
+            self.shared.touch(chain)
+            shared_hits = chain[len(hits) + len(host_hits) :]
+            if shared_hits and not self.pays_to_fetch:
+                self.counters.shared.num_loads_skipped += 1
+                shared_hits = []
+                not_loaded = True
         num_missing = self.num_blocks_for(num_tokens) - len(hits)
         available = len(self.free) + self.num_evictable
         # Referencing an unreferenced hit takes it from the evictable blocks; count those
@@ -235,6 +266,9 @@ class BlockPool:
         self.num_referenced += num_revived
         if self.sightings is not None:
             self.sightings.see([block.block_hash for block in hits + host_hits])
+            self.sightings.see([record.block_hash for record in shared_hits])
+            if self.shared is not None:  # a hit may make a block worth keeping in the store
+                self._store([block for block in hits if self._times_seen(block) > self.demote_min_hits])
         for block in host_hits:  # held before allocating, so no demotion can evict them
             host.ref(block)  # type: ignore[union-attr]
         block_ids = [block.block_id for block in hits]
@@ -255,19 +289,35 @@ class BlockPool:
             )
             host.counters.num_loads += len(host_hits)  # type: ignore[union-attr]
             host.counters.hit_tokens += len(host_hits) * self.block_size  # type: ignore[union-attr]
-        num_cached_tokens = (len(hits) + len(host_hits)) * self.block_size
+        shared_loads: tuple[SharedBlock, ...] = ()
+        if shared_hits:
+            first = len(hits) + len(host_hits)
+            shared_loads = tuple(
+                SharedBlock(
+                    block_ids[first + i],
+                    record.block_hash,
+                    record.parent_hash,
+                    record.token_bytes,
+                    record.salt_digest,
+                    record.depth,
+                )
+                for i, record in enumerate(shared_hits)
+            )
+            self.counters.shared.num_loads += len(shared_hits)
+            self.counters.shared.hit_tokens += len(shared_hits) * self.block_size
+        num_cached_tokens = (len(hits) + len(host_hits) + len(shared_hits)) * self.block_size
         counters = self.counters
         counters.num_admissions += 1
         counters.queried_tokens += num_tokens
         counters.hit_tokens += num_cached_tokens
         if num_cached_tokens < num_tokens:
-            miss = self.explain(prompt, hits + host_hits, cache_policy)
+            miss = self.explain(prompt, hits + host_hits + shared_hits, cache_policy)  # type: ignore[operator]
             if not_loaded and miss.reason is not None:
                 miss = Miss(
                     MissReason.NOT_LOADED, miss.num_tokens, miss.num_partial_tokens, miss.first_missing_block
                 )
             self._count_miss(miss)
-        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens, loads)
+        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens, loads, shared_loads)
 
     def grow(self, sequence_id: SequenceId, num_tokens: int) -> GrowResult:
         sequence = self.sequences[sequence_id]
@@ -301,9 +351,10 @@ class BlockPool:
         payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
         store = sequence.cache_policy is CachePolicy.STORE
-        committed += self._commit_run(
-            parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index, store
-        )
+        run = self._commit_run(parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index, store)
+        committed += run
+        if self.shared is not None and store:
+            self._store([b for b in run if b.is_cached and self._times_seen(b) > self.demote_min_hits])
         known = sequence.token_bytes
         offset = start * block_width(self.block_size)
         sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
@@ -617,6 +668,51 @@ class BlockPool:
             if len(dropped) == limit or not leaves.takes_next(parent, bar):
                 return dropped, parent  # a pushed block loses ties, so only "below" is sure
             block = parent
+
+    # ------------------------------------------------------------ shared tier
+
+    @property
+    def pays_to_fetch(self) -> bool:
+        """Whether fetching a block from the shared tier is estimated faster than
+        recomputing it (unknown costs: fetch)."""
+        fetch = self.host_spec.shared_load_seconds_per_block
+        recompute = self.host_spec.prefill_seconds_per_token * self.block_size
+        return fetch <= 0.0 or recompute <= 0.0 or fetch < recompute
+
+    def _store(self, blocks: list[Block]) -> None:
+        """Ask the worker to write these device-cached blocks (parent first) to the
+        shared tier, unless the store holds them or a write of them is under way."""
+        shared = self.shared
+        assert shared is not None
+        for block in blocks:
+            if shared.is_known(block.block_hash):
+                continue
+            parent = block.parent
+            digest = salt_digest_of(salt_tag(block.mixed_salt)) if block.mixed_salt is not None else None
+            record = SharedRecord(
+                block.block_hash,
+                parent.block_hash if parent is not None else None,
+                block.token_bytes,
+                digest,
+                block.depth,
+            )
+            parent_identity = None
+            if parent is not None:
+                parent_digest = (
+                    salt_digest_of(salt_tag(parent.mixed_salt)) if parent.mixed_salt is not None else None
+                )
+                parent_identity = make_identity(parent.token_bytes, parent_digest)
+            shared.add_pending(record, self.pool_id, parent_identity)
+            self.stores.append(
+                SharedBlock(
+                    block.block_id,  # type: ignore[arg-type]
+                    record.block_hash,
+                    record.parent_hash,
+                    record.token_bytes,
+                    digest,
+                    record.depth,
+                )
+            )
 
     # ------------------------------------------------------------ host tier
 

@@ -66,6 +66,29 @@ def host_stats(pool: BlockPool) -> TierStats | None:
     )
 
 
+def shared_stats(pool: BlockPool) -> TierStats | None:
+    """The shared tier as this pool uses it: its namespace's resident blocks, and this
+    pool's writes (demotions), fetches (loads) and records found gone (evictions)."""
+    shared = pool.shared
+    if shared is None:
+        return None
+    c = pool.counters.shared
+    return TierStats(
+        Tier.SHARED,
+        len(shared),
+        0,
+        len(shared),
+        0,
+        c.hit_tokens,
+        c.num_stores,
+        c.num_loads,
+        c.num_missing,
+        c.num_loads_skipped,
+        pool.host_spec.shared_load_seconds_per_block,
+        pool.host_spec.prefill_seconds_per_token * pool.block_size,
+    )
+
+
 def pool_stats(pool: BlockPool) -> PoolStats:
     c = pool.counters
     return PoolStats(
@@ -88,6 +111,7 @@ def pool_stats(pool: BlockPool) -> PoolStats:
         len(pool.ghosts),
         pool.ghosts.capacity,
         pool.leaves.policy.name,
+        shared_stats(pool),
     )
 
 
@@ -107,6 +131,16 @@ def total(pools: Iterable[PoolStats]) -> PoolStats:
             load_seconds_per_block=0.0,
             recompute_seconds_per_block=0.0,
         )
+    shareds = [p.shared for p in pools if p.shared is not None]
+    shared = None
+    if shareds:
+        # Pools of one namespace see the same store: its size is counted once (the
+        # largest namespace's), the per-pool counters are summed.
+        tier_sums = {name: sum(getattr(s, name) for s in shareds) for name in _TIER_SUMMED}
+        tier_sums["num_blocks"] = tier_sums["num_evictable_blocks"] = max(s.num_blocks for s in shareds)
+        shared = TierStats(
+            Tier.SHARED, **tier_sums, load_seconds_per_block=0.0, recompute_seconds_per_block=0.0
+        )
     misses: dict[str, int] = {}
     for p in pools:
         for reason, num_tokens in p.miss_tokens:
@@ -116,6 +150,7 @@ def total(pools: Iterable[PoolStats]) -> PoolStats:
         None,
         block_size=block_sizes.pop() if len(block_sizes) == 1 else 0,
         host=host,
+        shared=shared,
         miss_tokens=tuple(sorted(misses.items())),
         eviction_policy=policies.pop() if len(policies) == 1 else "",
         **sums,
@@ -229,17 +264,25 @@ def explain(
 def matches(slots: Iterable[PoolSlot], prompt: Prompt) -> list[PoolMatch]:
     """The prompt's cached prefix in each of the (live) slots' pools."""
     found = []
+    shared_chains: dict[bytes, int] = {}  # namespace seed -> its shared chain's length (walked once)
     for slot in slots:
         pool = slot.pool
         device, host = pool.match_tiers(prompt)
+        num_shared = 0
+        if pool.shared is not None and len(device) + len(host) < prompt.num_tokens // pool.block_size:
+            chain = shared_chains.get(pool.seed)
+            if chain is None:
+                chain = shared_chains[pool.seed] = len(pool.shared.match(prompt, pool.block_size))
+            num_shared = max(0, chain - len(device) - len(host))
         found.append(
             PoolMatch(
                 pool.pool_id,
                 slot.worker_address,
-                (len(device) + len(host)) * pool.block_size,
+                (len(device) + len(host) + num_shared) * pool.block_size,
                 pool.load,
                 len(pool.sequences),
                 num_host_cached_tokens=len(host) * pool.block_size,
+                num_shared_cached_tokens=num_shared * pool.block_size,
                 occupancy=len(pool.index) / pool.num_blocks,
             )
         )

@@ -7,11 +7,19 @@ from blockd.types import PoolMatch
 # A host tier hit saves the prefill but pays a copy into the device pool first, so it
 # counts for less than a device hit of the same length when pools are compared.
 HOST_HIT_WEIGHT = 0.75
+# A shared tier hit pays a network fetch (and a miss there costs a recompute after a
+# timeout): it counts for less than a host hit. Every pool of a namespace sees the same
+# shared blocks, so this only orders pools whose device or host prefixes differ.
+SHARED_HIT_WEIGHT = 0.5
 
 
 def weighted_prefix(match: PoolMatch) -> float:
-    device_tokens = match.num_cached_tokens - match.num_host_cached_tokens
-    return device_tokens + HOST_HIT_WEIGHT * match.num_host_cached_tokens
+    device_tokens = match.num_cached_tokens - match.num_host_cached_tokens - match.num_shared_cached_tokens
+    return (
+        device_tokens
+        + HOST_HIT_WEIGHT * match.num_host_cached_tokens
+        + SHARED_HIT_WEIGHT * match.num_shared_cached_tokens
+    )
 
 
 def by_cached_prefix(matches: list[PoolMatch]) -> list[PoolMatch]:

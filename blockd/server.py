@@ -22,6 +22,7 @@ from blockd.directory import BlockDirectory
 from blockd.hashing import DEFAULT_HASHER, truncated_hasher
 from blockd.metrics import make_registry, start_metrics_server
 from blockd.service import BlockDirectoryService, DirectoryAdminService, RoutingService, add_service
+from blockd.shared_store import SharedStoreAdmin, rebuild_forever
 from kvcache.v1 import directory_pb2
 
 log = structlog.get_logger("blockd.server")
@@ -43,6 +44,7 @@ class BlockdServer:
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _metrics: asyncio.Server | None = None
     metrics_address: str | None = None
+    shared_store: SharedStoreAdmin | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -53,6 +55,9 @@ class BlockdServer:
             host, port = self._metrics.sockets[0].getsockname()[:2]
             self.metrics_address = f"{host}:{port}"
         self._tasks.append(asyncio.create_task(self._expire_forever(), name="blockd-expiry"))
+        if self.shared_store is not None:  # in the background: an unreachable store never blocks serving
+            rebuild = rebuild_forever(self.shared_store, self.directory.load_shared)
+            self._tasks.append(asyncio.create_task(rebuild, name="blockd-shared-rebuild"))
         for service in ("", *SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -64,6 +69,7 @@ class BlockdServer:
             worker_auth=self.config.worker_token is not None,
             route_auth=self.config.route_token is not None,
             tls=self.config.tls is not None,
+            shared_tier=self.config.shared_tier,
         )
         if self.config.worker_token is None:
             local = self.address.startswith("unix:") or self.address.rsplit(":", 1)[0] in _LOOPBACK
@@ -83,6 +89,8 @@ class BlockdServer:
                 await task
         if self._metrics is not None:
             self._metrics.close()
+        if self.shared_store is not None:
+            await self.shared_store.close()
         await self.server.stop(self.config.shutdown_grace_seconds if grace is None else grace)
         log.info("stopped", address=self.address)
 
@@ -123,8 +131,11 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
     add_service(
         BlockDirectoryService(directory, worker_auth(config.worker_token)), server, "BlockDirectoryService"
     )
+    shared_store = SharedStoreAdmin(config.shared_tier) if config.shared_tier is not None else None
     add_service(
-        DirectoryAdminService(directory, admin_auth(config.admin_token)), server, "DirectoryAdminService"
+        DirectoryAdminService(directory, admin_auth(config.admin_token), shared_store),
+        server,
+        "DirectoryAdminService",
     )
     add_service(RoutingService(directory, route_auth(config.route_token)), server, "RoutingService")
     health = health_aio.HealthServicer()
@@ -138,7 +149,8 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
     if port == 0 and not config.listen.startswith("unix:"):
         raise RuntimeError(f"could not bind {config.listen}")
     address = _bound_address(config.listen, port)
-    return BlockdServer(server, address, directory, health, config), address
+    blockd = BlockdServer(server, address, directory, health, config, shared_store=shared_store)
+    return blockd, address
 
 
 async def serve(config: BlockdConfig) -> int:

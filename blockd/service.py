@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from blockd import messages
 from blockd.auth import BearerAuth, MissingCredentials, WrongCredentials
 from blockd.directory import BlockDirectory
+from blockd.shared_store import SharedStoreAdmin, delete_logged
 from blockd.types import (
     HostSpec,
     InvalidArgument,
@@ -144,6 +145,8 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
                 request.num_host_blocks,
                 request.host_load_seconds_per_block,
                 request.prefill_seconds_per_token,
+                request.has_shared_tier,
+                request.shared_load_seconds_per_block,
             ),
         )
         log.info(
@@ -154,6 +157,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             num_blocks=request.num_blocks,
             block_size=request.block_size,
             worker=request.worker_address,
+            shared_tier=request.has_shared_tier,
         )
         return pb.RegisterPoolResponse(
             pool_id=reg.pool_id,
@@ -161,6 +165,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             lease_ttl_seconds=reg.lease_ttl_seconds,
             max_sequence_tokens=reg.max_sequence_tokens,
             pool_token=reg.pool_token,
+            shared_namespace=reg.shared_namespace,
         )
 
     @unary
@@ -176,13 +181,22 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
         self._auth.check(context.invocation_metadata())
         commits, releases, grows, admits = messages.step_ops_from(request)
         result = self._directory.step(
-            PoolId(request.pool_id), request.epoch, commits, releases, grows, admits
+            PoolId(request.pool_id),
+            request.epoch,
+            commits,
+            releases,
+            grows,
+            admits,
+            request.shared_written,
+            request.shared_failed,
+            request.shared_missing,
         )
         reply = pb.StepResponse(
             num_free_blocks=result.num_free_blocks, num_evictable_blocks=result.num_evictable_blocks
         )
         for block_id, host_block_id in result.demotions:
             reply.demotions.add(block_id=block_id, host_block_id=host_block_id)
+        reply.shared_stores.extend(messages.shared_block_to(b) for b in result.shared_stores)
         for grow in result.grows:
             reply.grows.add(sequence_id=grow.sequence_id, grown=grow.grown, new_block_ids=grow.new_block_ids)
         for admit in result.admits:
@@ -192,6 +206,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
                 block_ids=admit.block_ids,
                 num_cached_tokens=admit.num_cached_tokens,
                 loads=[pb.BlockCopy(block_id=b, host_block_id=h) for b, h in admit.loads],
+                shared_loads=[messages.shared_block_to(b) for b in admit.shared_loads],
             )
         return reply
 
@@ -215,9 +230,12 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
 class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
     """Operator calls; each needs the admin token when one is configured."""
 
-    def __init__(self, directory: BlockDirectory, auth: BearerAuth) -> None:
+    def __init__(
+        self, directory: BlockDirectory, auth: BearerAuth, shared_store: SharedStoreAdmin | None = None
+    ) -> None:
         self._directory = directory
         self._auth = auth
+        self._shared_store = shared_store  # deletes what a flush drops from the shared tier
 
     @unary
     async def GetStats(
@@ -279,6 +297,8 @@ class DirectoryAdminService(pb_grpc.DirectoryAdminServiceServicer):
             dropped=result.dropped,
             busy=result.busy,
         )
+        if self._shared_store is not None and (result.shared_keys or result.shared_namespaces):
+            await delete_logged(self._shared_store, result.shared_keys, result.shared_namespaces)
         return pb.FlushResponse(
             dropped=result.dropped,
             busy=result.busy,

@@ -72,6 +72,9 @@ class HostSpec:
     num_blocks: int = 0
     load_seconds_per_block: float = 0.0
     prefill_seconds_per_token: float = 0.0
+    # The worker reaches the shared tier (tier 2), and its measured fetch cost per block.
+    has_shared_tier: bool = False
+    shared_load_seconds_per_block: float = 0.0
 
 
 NO_HOST_TIER = HostSpec()
@@ -144,6 +147,7 @@ class Registration:
     lease_ttl_seconds: float
     max_sequence_tokens: int
     pool_token: str = ""  # the pool's secret: proof of ownership when re-registering it
+    shared_namespace: str = ""  # hex of the namespace seed: the shared tier's key prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +162,21 @@ class AdmitResult:
     # Host tier hits to copy in first: (device block, host block), in table order,
     # right after the device hits. Included in num_cached_tokens.
     loads: tuple[tuple[BlockId, HostBlockId], ...] = ()
+    # Shared tier hits to fetch, after the host loads in the table. Included in
+    # num_cached_tokens.
+    shared_loads: tuple[SharedBlock, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBlock:
+    """A block to write to or fetch from the shared tier, with what its header says."""
+
+    block_id: BlockId
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_bytes: bytes
+    salt_digest: bytes | None
+    depth: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +195,8 @@ class StepResult:
     # Device blocks evicted by this step whose K/V the worker copies to the host tier
     # before anything writes them: (device block, host block).
     demotions: tuple[tuple[BlockId, HostBlockId], ...] = ()
+    # Committed device blocks to write to the shared tier (read before the next forward).
+    shared_stores: tuple[SharedBlock, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +230,7 @@ class PoolStats:
     num_ghosts: int = 0
     max_ghosts: int = 0
     eviction_policy: str = ""  # "" in a total over pools of different policies
+    shared: TierStats | None = None  # None: the pool's worker has no shared tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +298,7 @@ class PoolMatch:
     load: float  # share of the pool's blocks that are referenced, 0..1
     num_sequences: int
     num_host_cached_tokens: int = 0  # the part of num_cached_tokens only in the host tier
+    num_shared_cached_tokens: int = 0  # the part only in the shared tier
     # Share of the pool's blocks holding cached content, 0..1: a new prefix goes where
     # it evicts the least (internal tie-break; not part of the wire message).
     occupancy: float = 0.0
@@ -296,6 +319,10 @@ class FlushResult:
     dropped: int  # unreferenced cached blocks dropped (now free), summed over tiers
     busy: int  # matching cached blocks still referenced; they stay until released
     tiers: tuple[tuple[Tier, int, int], ...] = ()  # (tier, dropped, busy) per tier flushed
+    # For the server, which deletes them from the store: (namespace seed, block hash) of
+    # dropped shared records, and namespaces flushed whole (every key of theirs goes).
+    shared_keys: tuple[tuple[BlockHash, BlockHash], ...] = ()
+    shared_namespaces: tuple[BlockHash, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,7 @@ def check_registration(
     for name, cost in (
         ("host_load_seconds_per_block", host.load_seconds_per_block),
         ("prefill_seconds_per_token", host.prefill_seconds_per_token),
+        ("shared_load_seconds_per_block", host.shared_load_seconds_per_block),
     ):
         if not (math.isfinite(cost) and cost >= 0.0):
             raise InvalidArgument(f"{name} must be a finite number >= 0 (0: unknown), got {cost}")

@@ -183,7 +183,7 @@ class AsyncBlockdClient:
         tier: str | None = None,
         timeout: float | None = None,
     ) -> FlushResult:
-        """Drop unreferenced cached blocks of every tier, or of `tier` ("device", "host")."""
+        """Drop unreferenced cached blocks of every tier, or of `tier` ("device", "host", "shared")."""
         return await self._endpoint.call(core.flush(pool_id, cache_salt, timeout, tier))
 
     async def pin(

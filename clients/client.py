@@ -188,7 +188,7 @@ class BlockdClient:
         tier: str | None = None,
         timeout: float | None = None,
     ) -> FlushResult:
-        """Drop unreferenced cached blocks of every tier, or of `tier` ("device", "host")."""
+        """Drop unreferenced cached blocks of every tier, or of `tier` ("device", "host", "shared")."""
         return self._endpoint.call(core.flush(pool_id, cache_salt, timeout, tier))
 
     def pin(

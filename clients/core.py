@@ -175,7 +175,7 @@ def lookup(
 def flush(
     pool_id: str | None, cache_salt: str | None, timeout: float | None, tier: str | None = None
 ) -> Call[FlushResult]:
-    """tier: "device" or "host" flushes one tier; None every tier."""
+    """tier: "device", "host" or "shared" flushes one tier; None every tier."""
     if tier is not None and tier not in TIERS_BY_NAME:
         raise ValueError(
             f"tier must be one of {sorted(TIERS_BY_NAME)} (or None for every tier), got {tier!r}"

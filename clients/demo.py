@@ -223,11 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(no flush) and it keeps running"
             )
         else:
-            with console.status("starting blockd and computed (loading the model)..."):
+            with console.status("starting valkey, blockd and computed (loading the model)..."):
                 stack.up(
                     args.blockd, args.computed or ["127.0.0.1:50052"], model=args.model, gateway=args.gateway
                 )
             started = True
+            for note in stack.notes:
+                console.print(note, markup=False)
             addresses = stack.addresses()
         computed = [a for name, a in sorted(addresses.items()) if name.startswith("computed")]
         token = os.environ.get("KVCACHE_ADMIN_TOKEN") or os.environ.get("BLOCKD_ADMIN_TOKEN")

@@ -596,7 +596,9 @@ def lookup(session: Session, as_json: bool, pool: str | None, **prompt_args: Any
 @command("flush")
 @click.option("--pool", help="Only this pool.")
 @click.option("--salt", help="Only blocks whose chain carries this cache salt.")
-@click.option("--tier", type=click.Choice(["device", "host"]), help="Only this tier (default: every tier).")
+@click.option(
+    "--tier", type=click.Choice(["device", "host", "shared"]), help="Only this tier (default: every tier)."
+)
 def flush(session: Session, as_json: bool, pool: str | None, salt: str | None, tier: str | None) -> None:
     """Drop every unreferenced cached block; referenced ones are reported busy."""
     result = session.client.blockd.flush(pool_id=pool, cache_salt=salt, tier=tier)

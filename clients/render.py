@@ -121,7 +121,7 @@ def stats_table(stats: Stats) -> Table:
     for pool in stats.pools:
         table.add_column(Text(pool.pool_id or "?"), justify="right", overflow="fold")
     for field in dataclasses.fields(PoolStats):
-        if field.name in ("pool_id", "host", "miss_tokens", "eviction_policy"):
+        if field.name in ("pool_id", "host", "shared", "miss_tokens", "eviction_policy"):
             continue
         table.add_row(field.name, *(f"{getattr(s, field.name):,}" for s in columns))
     table.add_row("eviction_policy", *(s.eviction_policy or "(mixed)" for s in columns))
@@ -131,13 +131,16 @@ def stats_table(stats: Stats) -> Table:
     for reason in MISS_REASONS:
         if any(reason in s.miss_tokens for s in columns):
             table.add_row(f"missed: {reason}", *(f"{s.miss_tokens.get(reason, 0):,}" for s in columns))
-    if any(s.host is not None for s in columns):
-        for field in dataclasses.fields(TierStats):
-            if field.name == "tier":
-                continue
-            table.add_row(
-                f"host {field.name}", *(_tier_cell(s.host, field.name) for s in columns), style="cyan"
-            )
+    for name in ("host", "shared"):
+        if any(getattr(s, name) is not None for s in columns):
+            for field in dataclasses.fields(TierStats):
+                if field.name == "tier":
+                    continue
+                table.add_row(
+                    f"{name} {field.name}",
+                    *(_tier_cell(getattr(s, name), field.name) for s in columns),
+                    style="cyan",
+                )
     return table
 
 
@@ -225,8 +228,17 @@ def lookup_table(matches: Sequence[PoolMatch], num_tokens: int) -> Table:
     table = Table(title=f"cached prefix of a {num_tokens}-token prompt")
     add_columns(
         table,
-        ("pool", "worker", "cached tokens", "of them in host tier", "share", "load", "sequences"),
-        right=("cached tokens", "of them in host tier", "share", "load", "sequences"),
+        (
+            "pool",
+            "worker",
+            "cached tokens",
+            "of them in host tier",
+            "in shared tier",
+            "share",
+            "load",
+            "sequences",
+        ),
+        right=("cached tokens", "of them in host tier", "in shared tier", "share", "load", "sequences"),
     )
     for m in matches:
         table.add_row(
@@ -234,6 +246,7 @@ def lookup_table(matches: Sequence[PoolMatch], num_tokens: int) -> Table:
             Text(m.worker_address or "-"),
             str(m.num_cached_tokens),
             str(m.num_host_cached_tokens),
+            str(m.num_shared_cached_tokens),
             percent(m.num_cached_tokens, num_tokens),
             f"{100 * m.load:.0f}%",
             str(m.num_sequences),

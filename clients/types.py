@@ -60,6 +60,7 @@ class Usage:
     total_time_seconds: float
     num_preemptions: int
     host_cached_tokens: int = 0  # the part of cached_tokens copied in from the host tier
+    shared_cached_tokens: int = 0  # the part fetched from the shared tier
 
     @classmethod
     def from_proto(cls, m: generation_pb2.Usage) -> Usage:
@@ -71,6 +72,7 @@ class Usage:
             m.total_time_seconds,
             m.num_preemptions,
             m.host_cached_tokens,
+            m.shared_cached_tokens,
         )
 
     @property
@@ -196,6 +198,7 @@ class PoolStats:
     eviction_policy: str = ""
     num_ghosts: int = 0
     max_ghosts: int = 0
+    shared: TierStats | None = None  # the shared tier as this pool uses it; None without one
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolStats) -> PoolStats:
@@ -219,6 +222,7 @@ class PoolStats:
             m.eviction_policy,
             m.num_ghosts,
             m.max_ghosts,
+            TierStats.from_proto(m.shared) if m.HasField("shared") else None,
         )
 
     @property
@@ -361,6 +365,7 @@ class PoolMatch:
     load: float
     num_sequences: int
     num_host_cached_tokens: int = 0  # the part of num_cached_tokens only in the host tier
+    num_shared_cached_tokens: int = 0  # the part only in the shared tier
 
     @classmethod
     def from_proto(cls, m: directory_pb2.PoolMatch) -> PoolMatch:
@@ -371,6 +376,7 @@ class PoolMatch:
             m.load,
             m.num_sequences,
             m.num_host_cached_tokens,
+            m.num_shared_cached_tokens,
         )
 
 

@@ -161,6 +161,29 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         default=float(_env("COMPUTED_DRAIN_SECONDS", "30")),
         help="on SIGTERM, let running requests finish this long [env COMPUTED_DRAIN_SECONDS]",
     )
+    p.add_argument(
+        "--shared-tier",
+        default=_env("COMPUTED_SHARED_TIER"),
+        metavar="URL",
+        help="the shared tier's Valkey/Redis store, redis://HOST:PORT[/DB] (rediss:// for TLS; the password "
+        "from KVCACHE_SHARED_TIER_PASSWORD): committed blocks are written there and fetched by any worker "
+        "of the same model [env COMPUTED_SHARED_TIER]",
+    )
+    p.add_argument(
+        "--shared-tier-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=float(_env("COMPUTED_SHARED_TIER_TIMEOUT", "0.1")),
+        help="a shared tier fetch slower than this is a miss [env COMPUTED_SHARED_TIER_TIMEOUT]",
+    )
+    p.add_argument(
+        "--shared-tier-load-seconds",
+        type=float,
+        metavar="SECONDS",
+        default=_env("COMPUTED_SHARED_TIER_LOAD_SECONDS"),
+        help="seconds to fetch one block, for blockd's fetch-or-recompute choice (default: measured at "
+        "start; 0: always fetch) [env COMPUTED_SHARED_TIER_LOAD_SECONDS]",
+    )
     a = p.parse_args(argv)
     try:
         return ComputedConfig(
@@ -189,6 +212,11 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             blockd_tls_key=_optional_path(a.blockd_tls_key),
             worker_token=a.worker_token,
             drain_seconds=a.drain_seconds,
+            shared_tier=a.shared_tier or None,
+            shared_tier_timeout_seconds=a.shared_tier_timeout,
+            shared_tier_load_seconds=float(a.shared_tier_load_seconds)
+            if a.shared_tier_load_seconds is not None
+            else None,
         )
     except ValueError as exc:
         p.error(str(exc))

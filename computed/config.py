@@ -58,6 +58,15 @@ class ComputedConfig:
     worker_token: str | None = None
     # SIGTERM: stop admitting, let running requests finish this long, cancel the rest.
     drain_seconds: float = 30.0
+    # The shared tier's store, redis://HOST:PORT[/DB] or rediss:// (the password from
+    # KVCACHE_SHARED_TIER_PASSWORD). None: no shared tier.
+    shared_tier: str | None = None
+    # A fetch slower than this is a miss (the tokens are computed): a slow store must
+    # never make a hit slower than a miss by much.
+    shared_tier_timeout_seconds: float = 0.1
+    # Seconds to fetch one block, for blockd's "fetch only when it pays"; None: measured
+    # at start-up (0: unknown, always fetch).
+    shared_tier_load_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -88,6 +97,16 @@ class ComputedConfig:
             raise ValueError("--blockd-tls-cert and --blockd-tls-key go together")
         if self.worker_token is not None and not self.worker_token.strip():
             raise ValueError("--worker-token must not be blank (omit it for an open blockd)")
+        if self.shared_tier is not None and not self.shared_tier.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"--shared-tier must be a redis://HOST:PORT[/DB] or rediss:// URL, got {self.shared_tier!r}"
+            )
+        if not 0 < self.shared_tier_timeout_seconds <= 60:
+            raise ValueError("--shared-tier-timeout must be in (0, 60] seconds")
+        if self.shared_tier_load_seconds is not None and self.shared_tier_load_seconds < 0:
+            raise ValueError("--shared-tier-load-seconds must be >= 0 (0: always fetch)")
         if self.drain_seconds < 0:
             raise ValueError("--drain-seconds must be >= 0")
         if not (self.model / "config.json").is_file():

@@ -25,6 +25,7 @@ from computed.directory_ops import (
     ResyncSequence,
 )
 from computed.errors import DirectoryUnavailable
+from computed.shared_store import StoredBlock
 from kvcache.v1 import cache_policy_pb2
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
@@ -52,6 +53,9 @@ class PoolSpec:
     num_host_blocks: int = 0
     host_load_seconds_per_block: float = 0.0
     prefill_seconds_per_token: float = 0.0
+    # The shared tier (a Valkey/Redis store every worker of the namespace reaches).
+    has_shared_tier: bool = False
+    shared_load_seconds_per_block: float = 0.0
 
 
 @dataclass
@@ -62,6 +66,7 @@ class PoolLease:
     epoch: int
     lease_ttl_seconds: float
     pool_token: str = ""  # proves to blockd that this worker owns pool_id
+    shared_namespace: str = ""  # the shared tier's key namespace (hex), when it has one
 
 
 class DirectoryClient:
@@ -108,9 +113,13 @@ class DirectoryClient:
             num_host_blocks=spec.num_host_blocks,
             host_load_seconds_per_block=spec.host_load_seconds_per_block,
             prefill_seconds_per_token=spec.prefill_seconds_per_token,
+            has_shared_tier=spec.has_shared_tier,
+            shared_load_seconds_per_block=spec.shared_load_seconds_per_block,
         )
         reply = await self._call(self._stub.RegisterPool, request)
-        self.lease = PoolLease(reply.pool_id, reply.epoch, reply.lease_ttl_seconds, reply.pool_token)
+        self.lease = PoolLease(
+            reply.pool_id, reply.epoch, reply.lease_ttl_seconds, reply.pool_token, reply.shared_namespace
+        )
         log.info(
             "pool_registered",
             pool_id=reply.pool_id,
@@ -142,6 +151,9 @@ class DirectoryClient:
                 )
                 for a in ops.admits
             ],
+            shared_written=ops.shared_written,
+            shared_failed=ops.shared_failed,
+            shared_missing=ops.shared_missing,
         )
         try:
             reply = await self._call(self._stub.Step, request)
@@ -157,12 +169,14 @@ class DirectoryClient:
                     list(a.block_ids),
                     a.num_cached_tokens,
                     [(c.block_id, c.host_block_id) for c in a.loads],
+                    [_stored_block(b) for b in a.shared_loads],
                 )
                 for a in reply.admits
             ],
             num_free_blocks=reply.num_free_blocks,
             num_evictable_blocks=reply.num_evictable_blocks,
             demotions=[(c.block_id, c.host_block_id) for c in reply.demotions],
+            shared_stores=[_stored_block(b) for b in reply.shared_stores],
         )
 
     async def resync(self, sequences: list[ResyncSequence]) -> None:
@@ -247,3 +261,14 @@ class DirectoryClient:
                     details=exc.details(),
                 )
             raise DirectoryUnavailable(f"{exc.code().name}: {exc.details()}") from exc
+
+
+def _stored_block(msg: pb.SharedBlock) -> StoredBlock:
+    return StoredBlock(
+        msg.block_id,
+        msg.block_hash,
+        msg.parent_hash or None,
+        tuple(msg.token_ids),
+        msg.salt_digest or None,
+        msg.block_index,
+    )

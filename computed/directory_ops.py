@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from computed.sequence import BlockId, SequenceId
+from computed.sequence import BlockId, Sequence, SequenceId
+from computed.shared_store import StoredBlock
 
 
 @dataclass(frozen=True)
@@ -37,16 +38,28 @@ class CommitOp:
     token_ids: list[int]
 
 
+@dataclass(frozen=True)
+class SharedFetch:
+    """A shared tier hit of `seq`: fetch `block` into its table's `block_index`."""
+
+    seq: Sequence
+    block_index: int
+    block: StoredBlock
+
+
 @dataclass
 class CopyPlan:
-    """The host tier copies blockd's answers owe, in the order they must run: demotions
-    (device block -> host block) before loads (host block -> device block)."""
+    """The copies blockd's answers owe, in the order they must run: reads of device
+    blocks first (host demotions, device block -> host block; shared tier stores,
+    snapshotted), then writes into device blocks (host loads, then shared fetches)."""
 
     demotions: list[tuple[BlockId, int]] = field(default_factory=list)
     loads: list[tuple[BlockId, int]] = field(default_factory=list)
+    stores: list[StoredBlock] = field(default_factory=list)
+    fetches: list[SharedFetch] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.demotions or self.loads)
+        return bool(self.demotions or self.loads or self.stores or self.fetches)
 
 
 @dataclass
@@ -59,10 +72,22 @@ class DirectoryOps:
     releases: list[SequenceId] = field(default_factory=list)
     grows: list[GrowOp] = field(default_factory=list)
     admits: list[AdmitOp] = field(default_factory=list)
+    # Reports of the shared tier's writes and fetches (block hashes), see SharedKV.
+    shared_written: list[bytes] = field(default_factory=list)
+    shared_failed: list[bytes] = field(default_factory=list)
+    shared_missing: list[bytes] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.commits or self.releases or self.grows or self.admits)
+        return not (
+            self.commits
+            or self.releases
+            or self.grows
+            or self.admits
+            or self.shared_written
+            or self.shared_failed
+            or self.shared_missing
+        )
 
     @property
     def must_wait(self) -> bool:
@@ -79,6 +104,8 @@ class AdmitResult:
     # Host tier hits to copy in before the forward: (device block, host block); they
     # follow the device hits in block_ids and count in num_cached_tokens.
     loads: list[tuple[BlockId, int]] = field(default_factory=list)
+    # Shared tier hits to fetch before the forward; they follow the host loads.
+    shared_loads: list[StoredBlock] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -98,6 +125,8 @@ class DirectoryResult:
     num_evictable_blocks: int | None = None
     # Device blocks to copy to the host tier before anything writes them.
     demotions: list[tuple[BlockId, int]] = field(default_factory=list)
+    # Committed device blocks to write to the shared tier (read before the next forward).
+    shared_stores: list[StoredBlock] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Protocol
 import structlog
 
 from computed.directory import Directory
-from computed.directory_ops import DirectoryOps, DirectoryResult
+from computed.directory_ops import CopyPlan, DirectoryOps, DirectoryResult
 from computed.errors import DirectoryUnavailable
 from computed.model_runner import ModelRunner
 from computed.output import OutputText, TokenDecoder
@@ -45,6 +45,7 @@ class Usage:
     total_time_seconds: float
     num_preemptions: int
     host_cached_tokens: int = 0
+    shared_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class EngineStats:
     num_recoveries: int = 0
     num_blocks_copied: int = 0  # host tier demotions + loads
     num_bytes_copied: int = 0
+    num_shared_fetch_failures: int = 0  # blocks a sequence computed after its fetch failed
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -130,11 +132,15 @@ class Engine:
         self._draining = False  # set by stop(): new requests are refused from then on
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._tasks: list[asyncio.Task] = []
+        self._shared = getattr(runner, "shared", None)
+        if self._shared is not None:
+            self._shared.on_reports = self._wake.set  # a finished write has a report to send
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         await self._directory.recover([], self._stopping)
+        self._on_registered()
         self._tasks = [
             asyncio.create_task(self._loop(), name="engine-loop"),
             asyncio.create_task(self._directory.renew_forever(self._wake), name="lease"),
@@ -159,6 +165,8 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        if self._shared is not None:
+            await self._shared.close()
         await self._directory.close()
 
     # ----------------------------------------------------------------- requests
@@ -223,7 +231,7 @@ class Engine:
 
     async def _loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.scheduler.has_work() and not self.needs_recovery:
+            if not self.scheduler.has_work() and not self.needs_recovery and not self._has_reports():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -250,6 +258,8 @@ class Engine:
         if self.needs_recovery:
             await self._recover()
         ops = self.scheduler.plan_ops()
+        if self._shared is not None:
+            ops.shared_written, ops.shared_failed, ops.shared_missing = self._shared.take_reports()
         self.stats.num_steps += 1
         if ops.must_wait:
             started = time.monotonic()
@@ -277,16 +287,65 @@ class Engine:
         return bool(chunks) or not ops.is_empty
 
     async def _copy_blocks(self) -> None:
-        """The host tier copies blockd's answer owes, in the forward thread (they touch
-        the pool), before the next forward and before the next Step can reuse blocks."""
+        """The copies blockd's answer owes, in the forward thread (they touch the pool),
+        before the next forward and before the next Step can reuse blocks: device reads
+        (host demotions, shared tier stores) before device writes (host loads, then
+        shared tier fetches, awaited here: the forward reads them)."""
         plan = self.scheduler.take_copies()
-        if plan:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.copy_blocks, plan)
+        if not plan:
+            return
+        loop = asyncio.get_running_loop()
+        if plan.demotions or plan.loads or plan.stores:
+            values = await loop.run_in_executor(self._executor, self.runner.copy_blocks, plan)
             num_blocks = len(plan.demotions) + len(plan.loads)
             self.stats.num_blocks_copied += num_blocks
             self.stats.num_bytes_copied += (
                 num_blocks * self.runner.pool.num_bytes // self.runner.pool.num_blocks
             )
+            if plan.stores and self._shared is not None:
+                self._shared.start_write(values, plan.stores)
+        if plan.fetches:
+            await self._fetch_shared(plan)
+
+    async def _fetch_shared(self, plan: CopyPlan) -> None:
+        """Fetch the shared tier hits into their device blocks; a sequence whose fetch
+        failed computes its tokens from the first failed block on."""
+        shared = self._shared
+        assert shared is not None, "blockd asked for shared tier fetches, but this worker has none"
+        kvs = await shared.fetch([f.block for f in plan.fetches])
+        first_failed: dict[int, int] = {}  # sequence id -> table index of its first failed block
+        for fetch, kv in zip(plan.fetches, kvs):
+            seq = fetch.seq
+            expected = seq.token_ids[
+                fetch.block_index * seq.block_size : (fetch.block_index + 1) * seq.block_size
+            ]
+            if kv is None or list(fetch.block.token_ids) != expected:
+                index = first_failed.get(seq.sequence_id, fetch.block_index)
+                first_failed[seq.sequence_id] = min(index, fetch.block_index)
+        fetched = [
+            (f.block.block_id, kv)
+            for f, kv in zip(plan.fetches, kvs)
+            if kv is not None and f.block_index < first_failed.get(f.seq.sequence_id, f.block_index + 1)
+        ]
+        if fetched:
+            ids = [block_id for block_id, _ in fetched]
+            data = [kv for _, kv in fetched]
+            await asyncio.get_running_loop().run_in_executor(self._executor, shared.apply_fetched, ids, data)
+        for fetch in plan.fetches:
+            index = first_failed.get(fetch.seq.sequence_id)
+            if index is not None and fetch.block_index == index:
+                self.scheduler.on_fetch_failed(fetch.seq, index)
+                self.stats.num_shared_fetch_failures += 1
+
+    def _has_reports(self) -> bool:
+        return self._shared is not None and self._shared.has_reports
+
+    def _on_registered(self) -> None:
+        """The shared tier's keys carry the namespace id blockd answered."""
+        if self._shared is not None:
+            lease = self._directory.lease
+            namespace = getattr(lease, "shared_namespace", "") if lease is not None else ""
+            self._shared.namespace = bytes.fromhex(namespace) if namespace else None
 
     async def _step(self, ops: DirectoryOps) -> DirectoryResult | None:
         try:
@@ -301,6 +360,9 @@ class Engine:
         started = time.monotonic()
         declared = self.scheduler.resync_sequences()
         await self._directory.recover(declared, self._stopping)
+        if self._shared is not None:
+            self._shared.forget_reports()  # the re-registered pool has no writes pending
+        self._on_registered()
         self.scheduler.on_resynced(declared)
         self.stats.directory_wait_seconds += time.monotonic() - started
 
@@ -361,5 +423,6 @@ class Engine:
             total_time_seconds=now - req.arrival,
             num_preemptions=seq.num_preemptions,
             host_cached_tokens=seq.num_host_cached_tokens,
+            shared_cached_tokens=seq.num_shared_cached_tokens,
         )
         req.last(req.output.finish(stopped=stopped or reason == "cancelled"), reason, usage)

@@ -60,6 +60,31 @@ class _EngineCollector:
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        shared = self.engine.runner.shared if hasattr(self.engine.runner, "shared") else None
+        if shared is not None:
+            c = shared.store.counters
+            for name, doc, value in (
+                ("computed_shared_tier_blocks_written", "Blocks written to the shared tier", c.num_written),
+                (
+                    "computed_shared_tier_write_failures",
+                    "Shared tier writes dropped (store down, slow or full)",
+                    c.num_write_failures,
+                ),
+                ("computed_shared_tier_blocks_fetched", "Blocks fetched from the shared tier", c.num_fetched),
+                (
+                    "computed_shared_tier_fetch_misses",
+                    "Shared tier fetches that found no valid value (gone, or a header mismatch)",
+                    c.num_fetch_misses,
+                ),
+                (
+                    "computed_shared_tier_fetch_errors",
+                    "Shared tier fetches lost to a timeout or a connection error (recomputed)",
+                    c.num_fetch_errors,
+                ),
+                ("computed_shared_tier_bytes_written", "Bytes written to the shared tier", c.bytes_written),
+                ("computed_shared_tier_bytes_fetched", "Bytes fetched from the shared tier", c.bytes_fetched),
+            ):
+                yield CounterMetricFamily(name, doc, value=value)
         outcomes = CounterMetricFamily(
             "computed_requests", "Finished requests by outcome", labels=["outcome"]
         )

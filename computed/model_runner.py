@@ -19,6 +19,7 @@ from computed.kv_pool import KVPool
 from computed.sampling import make_generator, sample
 from computed.scheduler import ScheduledChunk
 from computed.sequence import SamplingParams, SequenceId
+from computed.shared_kv import SharedKV
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,29 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         host: HostKV | None = None,
+        shared: SharedKV | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.host = host
+        self.shared = shared
         self.block_size = block_size
         self.device = device
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
 
-    def copy_blocks(self, plan: CopyPlan) -> None:
-        """Run a Step answer's host tier copies (blockd only asks with a host tier)."""
-        assert self.host is not None, "blockd asked for host tier copies, but this worker has none"
-        self.host.apply(plan)
+    def copy_blocks(self, plan: CopyPlan) -> list[tuple[str, bytes]]:
+        """Run a Step answer's copies between the device pool and this worker's memory:
+        shared tier stores are read first (with the host demotions, before any load
+        writes a block), then host loads. Answers the stores' (key, value) pairs."""
+        values: list[tuple[str, bytes]] = []
+        if plan.stores:
+            assert self.shared is not None, "blockd asked for shared tier stores, but this worker has none"
+            values = self.shared.snapshot(plan.stores)
+        if plan.demotions or plan.loads:
+            assert self.host is not None, "blockd asked for host tier copies, but this worker has none"
+            self.host.apply(plan)
+        return values
 
     def measure_prefill_seconds_per_token(self, num_tokens: int = 256) -> float:
         """Seconds of prefill per token, from a warm prefill into blocks nobody holds yet

@@ -17,6 +17,7 @@ from computed.directory_ops import (
     DirectoryResult,
     GrowOp,
     ResyncSequence,
+    SharedFetch,
 )
 from computed.prefix_wait import PrefixLeaders
 from computed.sequence import Sequence, SequenceId, SequenceStatus
@@ -185,6 +186,7 @@ class Scheduler:
         if result.num_free_blocks is not None:
             self._num_available_blocks = result.num_free_blocks + (result.num_evictable_blocks or 0)
         self._copies.demotions.extend(result.demotions)
+        self._copies.stores.extend(result.shared_stores)
         by_id = {seq.sequence_id: seq for seq in self.running}
         urgent = {g.sequence_id for g in ops.grows if g.is_urgent}
         starved: list[Sequence] = []
@@ -207,7 +209,13 @@ class Scheduler:
                 refused.append(seq)
                 continue
             self._copies.loads.extend(outcome.loads)
-            self._start(seq, outcome.block_ids, outcome.num_cached_tokens, len(outcome.loads))
+            num_loads = len(outcome.loads) + len(outcome.shared_loads)
+            first_fetch = outcome.num_cached_tokens // self.config.block_size - len(outcome.shared_loads)
+            for i, block in enumerate(outcome.shared_loads):
+                self._copies.fetches.append(SharedFetch(seq, first_fetch + i, block))
+            self._start(
+                seq, outcome.block_ids, outcome.num_cached_tokens, num_loads, len(outcome.shared_loads)
+            )
         # Refused admissions keep their place at the front, in order.
         self.waiting.extendleft(reversed(refused))
         for seq in starved:
@@ -260,9 +268,33 @@ class Scheduler:
         for seq in self.running:
             seq.num_committed_blocks = seq.num_full_blocks()
 
-    def _start(self, seq: Sequence, block_ids: list[int], num_cached_tokens: int, num_loads: int = 0) -> None:
+    def on_fetch_failed(self, seq: Sequence, block_index: int) -> None:
+        """The shared tier fetch of `seq`'s block `block_index` found nothing valid: its
+        tokens from that block on are computed by the sequence itself, into the same
+        blocks (its own, uncommitted), and no longer count as cached."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return
+        cut = block_index * self.config.block_size
+        assert cut >= seq.num_committed_blocks * self.config.block_size, (
+            "a fetched block is not committed yet"
+        )
+        seq.num_computed_tokens = min(seq.num_computed_tokens, cut)
+        if seq.num_cached_tokens is not None and seq.num_cached_tokens > cut:
+            lost = seq.num_cached_tokens - cut
+            seq.num_cached_tokens = cut
+            seq.num_shared_cached_tokens = max(0, seq.num_shared_cached_tokens - lost)
+
+    def _start(
+        self,
+        seq: Sequence,
+        block_ids: list[int],
+        num_cached_tokens: int,
+        num_loads: int = 0,
+        num_shared_loads: int = 0,
+    ) -> None:
         """Run an admitted sequence. Its `num_loads` blocks after the device hits are
-        copied in from the host tier before the next forward: computed, not committed
+        copied in from the host tier (or fetched from the shared tier, the last
+        `num_shared_loads` of them) before the next forward: computed, not committed
         yet (the commit after that forward makes them findable)."""
         bs = self.config.block_size
         assert len(block_ids) * bs >= seq.num_tokens, "table must cover prompt"
@@ -272,7 +304,8 @@ class Scheduler:
         seq.num_committed_blocks = num_cached_tokens // bs - num_loads
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
-            seq.num_host_cached_tokens = min(num_loads * bs, seq.num_cached_tokens)
+            seq.num_shared_cached_tokens = min(num_shared_loads * bs, seq.num_cached_tokens)
+            seq.num_host_cached_tokens = min((num_loads - num_shared_loads) * bs, seq.num_cached_tokens)
         self.running.append(seq)
 
     def _preempt_for(self, starved: Sequence) -> None:

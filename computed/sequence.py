@@ -80,6 +80,7 @@ class Sequence:
     # the part of them copied in from the host tier.
     num_cached_tokens: int | None = None
     num_host_cached_tokens: int = 0
+    num_shared_cached_tokens: int = 0  # the part fetched from the shared tier
     num_preemptions: int = 0
     finish_reason: str | None = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -27,6 +28,8 @@ from computed.model.tokenizer import Tokenizer
 from computed.model_runner import ModelRunner
 from computed.scheduler import Scheduler, SchedulerConfig
 from computed.service import GenerationServicer, WorkerInfo, add_service
+from computed.shared_kv import SharedKV
+from computed.shared_store import SharedStore
 from kvcache.v1 import generation_pb2
 
 log = structlog.get_logger("computed.server")
@@ -45,16 +48,22 @@ class ComputedServer:
         engine: Engine,
         health_servicer: health.aio.HealthServicer,
         address: str,
+        directory: DirectoryClient | None = None,
+        shared: SharedKV | None = None,
     ) -> None:
         self.config = config
         self.server = server
         self.engine = engine
         self.health = health_servicer
         self.address = address
+        self._directory = directory
+        self._shared = shared
 
     async def start(self) -> None:
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._shared is not None and self._directory is not None:
+            await self._measure_shared_tier(self._shared, self._directory)
         await self.engine.start()  # waits for blockd
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.ready_file is not None:
@@ -66,6 +75,21 @@ class ComputedServer:
         await self.engine.stop(self.config.drain_seconds)
         await self.server.stop(grace=2.0)
         log.info("computed_stopped", **self.engine.stats.finished)
+
+    async def _measure_shared_tier(self, shared: SharedKV, directory: DirectoryClient) -> None:
+        """The fetch cost blockd weighs against recompute (before registering). A store
+        unreachable now is no reason not to serve: it is retried on every use."""
+        seconds = self.config.shared_tier_load_seconds
+        reachable = await shared.store.ping()
+        if seconds is None:
+            seconds = await shared.measure_load_seconds_per_block() if reachable else 0.0
+        directory.spec = replace(directory.spec, shared_load_seconds_per_block=seconds)
+        (log.info if reachable else log.warning)(
+            "shared_tier" if reachable else "shared_tier_unreachable: serving without it until it answers",
+            store=shared.store.url,
+            load_seconds_per_block=seconds,
+            recompute_seconds_per_block=directory.spec.prefill_seconds_per_token * self.config.block_size,
+        )
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -84,11 +108,15 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
     pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
     host = _host_tier(config, pool)
-    runner = ModelRunner(loaded.model, pool, config.block_size, device, host)
+    shared = None
+    if config.shared_tier is not None:
+        shared = SharedKV(pool, SharedStore(config.shared_tier, config.shared_tier_timeout_seconds))
+    runner = ModelRunner(loaded.model, pool, config.block_size, device, host, shared)
     load_seconds = prefill_seconds = 0.0
-    if host is not None:  # measured before registering: no block is held yet
-        load_seconds = host.measure_load_seconds_per_block()
+    if host is not None or shared is not None:  # measured before registering: no block is held yet
         prefill_seconds = runner.measure_prefill_seconds_per_token()
+    if host is not None:
+        load_seconds = host.measure_load_seconds_per_block()
         log.info(
             "host_tier",
             num_host_blocks=host.num_blocks,
@@ -128,6 +156,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
             num_host_blocks=host.num_blocks if host is not None else 0,
             host_load_seconds_per_block=load_seconds,
             prefill_seconds_per_token=prefill_seconds,
+            has_shared_tier=shared is not None,
         ),
         credentials=_blockd_credentials(config),
         worker_token=config.worker_token,
@@ -169,7 +198,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return ComputedServer(config, server, engine, health_servicer, address)
+    return ComputedServer(config, server, engine, health_servicer, address, directory, shared)
 
 
 async def serve(config: ComputedConfig) -> int:

@@ -256,6 +256,7 @@ def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResp
                 total_time_seconds=u.total_time_seconds,
                 num_preemptions=u.num_preemptions,
                 host_cached_tokens=u.host_cached_tokens,
+                shared_cached_tokens=u.shared_cached_tokens,
             )
         )
     return response

@@ -72,7 +72,7 @@ class Namespace(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token", "num_host_blocks", "host_load_seconds_per_block", "prefill_seconds_per_token")
+    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token", "num_host_blocks", "host_load_seconds_per_block", "prefill_seconds_per_token", "has_shared_tier", "shared_load_seconds_per_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class RegisterPoolRequest(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_LOAD_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HAS_SHARED_TIER_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOAD_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     namespace: Namespace
@@ -91,21 +93,25 @@ class RegisterPoolRequest(_message.Message):
     num_host_blocks: int
     host_load_seconds_per_block: float
     prefill_seconds_per_token: float
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ..., pool_token: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., host_load_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
+    has_shared_tier: bool
+    shared_load_seconds_per_block: float
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ..., pool_token: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., host_load_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., has_shared_tier: _Optional[bool] = ..., shared_load_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens", "pool_token")
+    __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens", "pool_token", "shared_namespace")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POOL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     lease_ttl_seconds: float
     max_sequence_tokens: int
     pool_token: str
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., max_sequence_tokens: _Optional[int] = ..., pool_token: _Optional[str] = ...) -> None: ...
+    shared_namespace: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., max_sequence_tokens: _Optional[int] = ..., pool_token: _Optional[str] = ..., shared_namespace: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("pool_id", "epoch")
@@ -138,18 +144,36 @@ class AdmitOp(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_policy_pb2.CachePolicy, str]] = ..., retention_priority: _Optional[int] = ...) -> None: ...
 
 class AdmitResult(_message.Message):
-    __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens", "loads")
+    __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens", "loads", "shared_loads")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOADS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     admitted: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     loads: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    shared_loads: _containers.RepeatedCompositeFieldContainer[SharedBlock]
+    def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., shared_loads: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
+
+class SharedBlock(_message.Message):
+    __slots__ = ("block_id", "block_hash", "parent_hash", "token_ids", "salt_digest", "block_index")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SALT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    salt_digest: bytes
+    block_index: int
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., salt_digest: _Optional[bytes] = ..., block_index: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("block_id", "host_block_id")
@@ -194,34 +218,42 @@ class ReleaseOp(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "epoch", "commits", "releases", "grows", "admits")
+    __slots__ = ("pool_id", "epoch", "commits", "releases", "grows", "admits", "shared_written", "shared_failed", "shared_missing")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     GROWS_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MISSING_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     commits: _containers.RepeatedCompositeFieldContainer[CommitOp]
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseOp]
     grows: _containers.RepeatedCompositeFieldContainer[GrowOp]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitOp]
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[CommitOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., grows: _Optional[_Iterable[_Union[GrowOp, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitOp, _Mapping]]] = ...) -> None: ...
+    shared_written: _containers.RepeatedScalarFieldContainer[bytes]
+    shared_failed: _containers.RepeatedScalarFieldContainer[bytes]
+    shared_missing: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[CommitOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., grows: _Optional[_Iterable[_Union[GrowOp, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitOp, _Mapping]]] = ..., shared_written: _Optional[_Iterable[bytes]] = ..., shared_failed: _Optional[_Iterable[bytes]] = ..., shared_missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("grows", "admits", "num_free_blocks", "num_evictable_blocks", "demotions")
+    __slots__ = ("grows", "admits", "num_free_blocks", "num_evictable_blocks", "demotions", "shared_stores")
     GROWS_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STORES_FIELD_NUMBER: _ClassVar[int]
     grows: _containers.RepeatedCompositeFieldContainer[GrowResult]
     admits: _containers.RepeatedCompositeFieldContainer[AdmitResult]
     num_free_blocks: int
     num_evictable_blocks: int
     demotions: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., demotions: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    shared_stores: _containers.RepeatedCompositeFieldContainer[SharedBlock]
+    def __init__(self, grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., demotions: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., shared_stores: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
 
 class ResyncSequence(_message.Message):
     __slots__ = ("sequence_id", "block_ids", "token_ids", "cache_salt", "public_prefix_tokens")
@@ -256,7 +288,7 @@ class ResyncResponse(_message.Message):
     def __init__(self, num_sequences: _Optional[int] = ..., num_committed_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred", "miss_tokens", "num_ghosts", "max_ghosts", "eviction_policy", "host")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred", "miss_tokens", "num_ghosts", "max_ghosts", "eviction_policy", "host", "shared")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +308,7 @@ class PoolStats(_message.Message):
     MAX_GHOSTS_FIELD_NUMBER: _ClassVar[int]
     EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -295,7 +328,8 @@ class PoolStats(_message.Message):
     max_ghosts: int
     eviction_policy: str
     host: TierStats
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ..., miss_tokens: _Optional[_Iterable[_Union[MissTokens, _Mapping]]] = ..., num_ghosts: _Optional[int] = ..., max_ghosts: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    shared: TierStats
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ..., miss_tokens: _Optional[_Iterable[_Union[MissTokens, _Mapping]]] = ..., num_ghosts: _Optional[int] = ..., max_ghosts: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ..., shared: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "num_blocks", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "hit_tokens", "num_demotions", "num_loads", "num_evictions", "num_loads_skipped", "load_seconds_per_block", "recompute_seconds_per_block")
@@ -426,20 +460,22 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolMatch(_message.Message):
-    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "load", "num_sequences", "num_host_cached_tokens")
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "load", "num_sequences", "num_host_cached_tokens", "num_shared_cached_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     worker_address: str
     num_cached_tokens: int
     load: float
     num_sequences: int
     num_host_cached_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_host_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_shared_cached_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_host_cached_tokens: _Optional[int] = ..., num_shared_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matches",)

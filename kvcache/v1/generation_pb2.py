@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcache.v1 import cache_policy_pb2 as kvcache_dot_v1_dot_cache__policy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvcache/v1/generation.proto\x12\nkvcache.v1\x1a\x1dkvcache/v1/cache_policy.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\r \x01(\r\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12-\n\x0c\x63\x61\x63he_policy\x18( \x01(\x0e\x32\x17.kvcache.v1.CachePolicy\x12\x1a\n\x12retention_priority\x18) \x01(\r\x12\x17\n\x0fstream_interval\x18\x0f \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12total_time_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x07 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvcache.v1.Usage\"f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rrendered_text\x18\x02 \x01(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa3\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x0f\n\x07pool_id\x18\x0c \x01(\t\x12\x16\n\x0e\x62lockd_address\x18\r \x01(\t2\xc3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x1c.kvcache.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvcache.v1.TokenizeRequest\x1a\x1c.kvcache.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvcache.v1.DetokenizeRequest\x1a\x1e.kvcache.v1.DetokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvcache.v1.GetModelInfoRequest\x1a .kvcache.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvcache/v1/generation.proto\x12\nkvcache.v1\x1a\x1dkvcache/v1/cache_policy.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\r \x01(\r\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12-\n\x0c\x63\x61\x63he_policy\x18( \x01(\x0e\x32\x17.kvcache.v1.CachePolicy\x12\x1a\n\x12retention_priority\x18) \x01(\r\x12\x17\n\x0fstream_interval\x18\x0f \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xe4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12total_time_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x07 \x01(\r\x12\x1c\n\x14shared_cached_tokens\x18\x08 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvcache.v1.Usage\"f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rrendered_text\x18\x02 \x01(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa3\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x0f\n\x07pool_id\x18\x0c \x01(\t\x12\x16\n\x0e\x62lockd_address\x18\r \x01(\t2\xc3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x1c.kvcache.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvcache.v1.TokenizeRequest\x1a\x1c.kvcache.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvcache.v1.DetokenizeRequest\x1a\x1e.kvcache.v1.DetokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvcache.v1.GetModelInfoRequest\x1a .kvcache.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=121
   _globals['_GENERATEREQUEST']._serialized_end=621
   _globals['_USAGE']._serialized_start=624
-  _globals['_USAGE']._serialized_end=822
-  _globals['_GENERATERESPONSE']._serialized_start=825
-  _globals['_GENERATERESPONSE']._serialized_end=953
-  _globals['_TOKENIZEREQUEST']._serialized_start=955
-  _globals['_TOKENIZEREQUEST']._serialized_end=1057
-  _globals['_TOKENIZERESPONSE']._serialized_start=1059
-  _globals['_TOKENIZERESPONSE']._serialized_end=1119
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1121
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1159
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1161
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1195
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1197
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1218
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1221
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1512
-  _globals['_GENERATIONSERVICE']._serialized_start=1515
-  _globals['_GENERATIONSERVICE']._serialized_end=1838
+  _globals['_USAGE']._serialized_end=852
+  _globals['_GENERATERESPONSE']._serialized_start=855
+  _globals['_GENERATERESPONSE']._serialized_end=983
+  _globals['_TOKENIZEREQUEST']._serialized_start=985
+  _globals['_TOKENIZEREQUEST']._serialized_end=1087
+  _globals['_TOKENIZERESPONSE']._serialized_start=1089
+  _globals['_TOKENIZERESPONSE']._serialized_end=1149
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1151
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1189
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1191
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1225
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1227
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1248
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1251
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1542
+  _globals['_GENERATIONSERVICE']._serialized_start=1545
+  _globals['_GENERATIONSERVICE']._serialized_end=1868
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_policy_pb2.CachePolicy, str]] = ..., retention_priority: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_seconds", "total_time_seconds", "num_preemptions", "host_cached_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_seconds", "total_time_seconds", "num_preemptions", "host_cached_tokens", "shared_cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Usage(_message.Message):
     TOTAL_TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -69,7 +70,8 @@ class Usage(_message.Message):
     total_time_seconds: float
     num_preemptions: int
     host_cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_time_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ...) -> None: ...
+    shared_cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_time_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., shared_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage")

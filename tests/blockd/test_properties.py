@@ -98,6 +98,11 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.live: dict[int, WorkerSequence] = {}
         self.kv: dict[int, tuple] = {}  # physical block -> what the worker wrote into it
         self.host_kv: dict[int, tuple] = {}  # host tier block -> what the worker copied there
+        # The shared tier's store as workers see it: key (block hash) -> (header, content);
+        # writes snapshotted but not landed yet; reports not yet sent to blockd.
+        self.store: dict[bytes, tuple] = {}
+        self.writing: dict[bytes, tuple] = {}
+        self.missing: list[bytes] = []
         self.pins: list[str] = []  # in creation order: pin ids are random, draws must not be
         self.next_id = 1
         self.history: list[tuple[list[int], str, int]] = []
@@ -110,6 +115,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         result = self.directory.step(self.pool_id, self.epoch, **ops)
         for block_id, host_block_id in result.demotions:  # the worker copies before any write
             self.host_kv[host_block_id] = self.kv.get(block_id)
+        for store in result.shared_stores:  # ... and snapshots what it must store, before any write
+            self.writing[store.block_hash] = (_header(store), self.kv.get(store.block_id))
         return result
 
     def held_by_others(self, sequence_id: int | None) -> set[int]:
@@ -174,10 +181,20 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert result.num_cached_tokens == expected, "admit and lookup disagree"
         assert len(result.block_ids) == -(-len(tokens) // BLOCK_SIZE)
         num_hits = result.num_cached_tokens // BLOCK_SIZE
-        num_device_hits = num_hits - len(result.loads)
-        assert [b for b, _ in result.loads] == list(result.block_ids[num_device_hits:num_hits])
+        num_device_hits = num_hits - len(result.loads) - len(result.shared_loads)
+        first_fetch = num_hits - len(result.shared_loads)
+        assert [b for b, _ in result.loads] == list(result.block_ids[num_device_hits:first_fetch])
+        assert [s.block_id for s in result.shared_loads] == list(result.block_ids[first_fetch:num_hits])
         for block_id, host_block_id in result.loads:  # the worker copies before its forward
             self.kv[block_id] = self.host_kv.get(host_block_id)
+        for i, load in enumerate(result.shared_loads, first_fetch):  # ... and fetches
+            value = self.store.get(load.block_hash)
+            if value is None or value[0] != _header(load):  # a miss: computed by the sequence itself
+                self.missing.append(load.block_hash)
+                for j in range(i, num_hits):
+                    self.kv[result.block_ids[j]] = kv_key(tokens, j, salt, public)
+                break
+            self.kv[load.block_id] = value[1]
         for i in range(num_hits):  # every hit holds exactly the K/V this prompt needs
             assert self.kv.get(result.block_ids[i]) == kv_key(tokens, i, salt, public), "wrong KV served"
         fresh = set(result.block_ids[num_device_hits:])
@@ -272,7 +289,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         """A pin holds the cached prefix (nothing, when nothing is cached); one past the
         pin budget is refused and changes nothing."""
         match = self.directory.lookup(tokens, salt, public, self.pool_id)[0]
-        cached = match.num_cached_tokens - match.num_host_cached_tokens  # pins hold device blocks
+        # pins hold device blocks
+        cached = match.num_cached_tokens - match.num_host_cached_tokens - match.num_shared_cached_tokens
         pool = self.directory._slots[self.pool_id].pool
         newly = sum(
             1 for b in pool.match(make_prompt(tokens, salt, public, MAX_TOKENS, "t")) if not b.pin_count
@@ -417,6 +435,96 @@ class BlindDirectoryMachine(DirectoryMachine):
     hasher = BlockHasher(digest=lambda data: xxhash.xxh3_128_digest(data[-BLOCK_SIZE * 4 :]))
 
 
+def _header(block) -> tuple:
+    """What a shared tier value's header says, as the worker checks it."""
+    return (block.block_hash, block.parent_hash, block.token_bytes, block.salt_digest, block.depth)
+
+
+class SharedTierMachine(DirectoryMachine):
+    """A shared tier: commits ask for writes, which land late, fail, or land and are
+    evicted by the store; fetches of evicted keys miss and are reported. The store is
+    one dict that this pool and a second pool of the namespace (re-registered with the
+    same spec) see. Every fetched block must hold the K/V its prompt needs."""
+
+    host_spec = HostSpec(has_shared_tier=True)
+
+    @precondition(lambda self: self.writing)
+    @rule(data=st.data())
+    def writes_finish(self, data):
+        hashes = sorted(self.writing)
+        done = data.draw(st.lists(st.sampled_from(hashes), unique=True, min_size=1))
+        failed = [h for h in done if data.draw(st.booleans()) and data.draw(st.booleans())]
+        for block_hash in done:
+            value = self.writing.pop(block_hash)
+            if block_hash not in failed:
+                self.store[block_hash] = value  # the rename: complete, or nothing
+        written = [h for h in done if h not in failed]
+        self.step(shared_written=written, shared_failed=failed)
+
+    @precondition(lambda self: self.writing)
+    @rule()
+    def every_write_lands(self):
+        done, self.writing = self.writing, {}
+        self.store.update(done)
+        self.step(shared_written=sorted(done))
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), prefill=st.booleans())
+    def comes_back_from_the_store(self, data, prefill):
+        """The device pool forgets (a device-only flush, as after a worker restart), and a
+        prompt seen before comes back: what the store holds is fetched."""
+        self.directory.flush(tier=Tier.DEVICE)
+        tokens, salt, public = data.draw(st.sampled_from(self.history))
+        self.admit_prompt(tokens, salt, public, prefill)
+
+    @precondition(lambda self: self.store)
+    @rule(data=st.data())
+    def store_evicts(self, data):
+        del self.store[data.draw(st.sampled_from(sorted(self.store)))]
+
+    @precondition(lambda self: self.missing)
+    @rule()
+    def report_missing(self):
+        missing, self.missing = self.missing, []
+        self.step(shared_missing=missing)
+
+    @invariant()
+    def the_shared_index_holds_what_the_store_may_serve(self):
+        pool = self.directory._slots[self.pool_id].pool
+        shared = pool.shared
+        assert shared is not None
+        for record in shared.index.values():
+            assert record.block_hash not in shared.pending
+            assert record.parent is None or shared.index.get(record.parent.block_hash) is record.parent
+            assert record.depth == (0 if record.parent is None else record.parent.depth + 1)
+            value = self.store.get(record.block_hash)
+            if value is not None and value[0] == _header_of_record(record):
+                tokens, node = [], record
+                while node is not None:
+                    tokens[:0] = list(memoryview(node.token_bytes).cast("I"))
+                    node = node.parent
+                content = value[1]
+                assert content is not None and content[0] == tuple(tokens), "the store serves other content"
+
+
+def _header_of_record(record) -> tuple:
+    return (record.block_hash, record.parent_hash, record.token_bytes, record.salt_digest, record.depth)
+
+
+class SharedTierSeenTwiceMachine(SharedTierMachine):
+    demote_min_hits = 1
+
+
+class SharedTierCollidingMachine(SharedTierMachine):
+    hasher = CollidingDirectoryMachine.hasher
+
+
+class SharedAndHostTierMachine(SharedTierMachine):
+    """Every tier at once: the walk goes device -> host -> shared."""
+
+    host_spec = HostSpec(NUM_BLOCKS // 2, has_shared_tier=True)
+
+
 class TieredDirectoryMachine(DirectoryMachine):
     """A host tier half the device pool's size: evictions demote, admissions load."""
 
@@ -481,6 +589,10 @@ TestTieredCollidingMachine = _test_case(TieredCollidingMachine, _fast)
 TestTieredBlindMachine = _test_case(TieredBlindMachine, _fast)
 TestLruSeenTwiceDirectoryMachine = _test_case(LruSeenTwiceDirectoryMachine, _fast)
 TestLfudaDirectoryMachine = _test_case(LfudaDirectoryMachine, _fast)
+TestSharedTierMachine = _test_case(SharedTierMachine, _fast)
+TestSharedTierSeenTwiceMachine = _test_case(SharedTierSeenTwiceMachine, _fast)
+TestSharedTierCollidingMachine = _test_case(SharedTierCollidingMachine, _fast)
+TestSharedAndHostTierMachine = _test_case(SharedAndHostTierMachine, _fast)
 TestLongDirectoryMachine = _test_case(DirectoryMachine, _long, *_slow)
 TestLongTieredDirectoryMachine = _test_case(TieredDirectoryMachine, _long, *_slow)
 TestLongCollidingDirectoryMachine = _test_case(CollidingDirectoryMachine, _long, *_slow)

@@ -21,7 +21,9 @@ from tests.clients.conftest import LiveStack, dead_address
 from tests.daemons import REPO
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-SERVICES = COMPOSE["services"]
+# The project's daemons (the valkey service runs the official image).
+SERVICES = {name: s for name, s in COMPOSE["services"].items() if name != "valkey"}
+VALKEY = COMPOSE["services"]["valkey"]
 
 
 @functools.cache
@@ -88,6 +90,17 @@ def test_ports_health_checks_and_addresses_agree(name: str) -> None:
             for s in SERVICES.values()
             if s["command"][2] == "computed"
         ], "the gateway knows each worker by the address it announces to blockd"
+
+
+def test_the_shared_tier_is_a_valkey_service_every_daemon_uses() -> None:
+    assert VALKEY["image"].startswith("valkey/valkey:")
+    assert VALKEY["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
+    assert any(v.endswith(":/data") for v in VALKEY["volumes"]) and "valkey-data" in COMPOSE["volumes"]
+    assert "ports" not in VALKEY, "the store is reached inside the compose network only"
+    for name in ("blockd", "computed", "computed2"):
+        service = SERVICES[name]
+        assert flag_value(service["command"], "--shared-tier") == "redis://valkey:6379"
+        assert service["depends_on"]["valkey"]["condition"] == "service_healthy"
 
 
 def test_scale_profile_adds_a_second_worker_on_another_host_port() -> None:

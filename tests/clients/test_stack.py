@@ -87,7 +87,7 @@ def test_up_status_down(tmp_path: Path) -> None:
     pids = pids_in(run_dir)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert len(pids) == 2 and all(is_alive(p) for p in pids)
+        assert len(pids) == 3 and all(is_alive(p) for p in pids)  # valkey (the shared tier), blockd, computed
         hint = next(line for line in up.stdout.splitlines() if line.startswith("try: "))
         tried = subprocess.run(
             shlex.split(hint.removeprefix("try: ")),
@@ -105,6 +105,7 @@ def test_up_status_down(tmp_path: Path) -> None:
         states = {s["name"]: s for s in json.loads(status.stdout)}
         assert states["blockd"]["address"] == blockd and states["computed"]["address"] == computed
         assert all(s["is_running"] and s["health"] == "SERVING" for s in states.values())
+        assert set(states) == {"valkey", "blockd", "computed"}
         with KVCacheClient(blockd, [computed]) as client:
             prompt = unique_prompt("stack")
             client.complete(prompt, max_tokens=2)
@@ -116,7 +117,7 @@ def test_up_status_down(tmp_path: Path) -> None:
     finally:
         down = run_module("clients.stack", "down", "--run-dir", str(run_dir))
     assert down.returncode == 0, down.stderr
-    assert "computed, blockd" in down.stdout
+    assert "computed, blockd, valkey" in down.stdout
     wait_all_gone(pids)
     assert sorted(logged_pids(run_dir)) == sorted(pids)
     assert not list(run_dir.glob("*.pid"))

@@ -29,7 +29,12 @@ def test_make_up_starts_the_gateway_and_the_readme_examples_work(tmp_path: Path)
     gateway = f"127.0.0.1:{free_port()}"
     states = stack.up(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], gateway=gateway)
     try:
-        assert [s.name for s in states] == ["blockd", "computed", "gateway"]
+        assert [s.name for s in states] == [
+            "blockd",
+            "computed",
+            "gateway",
+            "valkey",
+        ]  # valkey: the shared tier
         assert all(s.is_running and s.health == "SERVING" for s in states)
         curl = _block("sh").replace(DEFAULT, gateway)
         done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60, check=True)
@@ -44,7 +49,7 @@ def test_make_up_starts_the_gateway_and_the_readme_examples_work(tmp_path: Path)
         assert "running OPEN" in (tmp_path / "run" / "gateway.log").read_text()
     finally:
         stopped = stack.down()
-    assert stopped[0] == "gateway" and stopped[-1] == "blockd"
+    assert stopped[0] == "gateway" and stopped[-2:] == ["blockd", "valkey"]
     assert stack.status() == []
 
 
