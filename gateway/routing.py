@@ -81,9 +81,11 @@ class CacheAware:
     `decode_cost_tokens` + this prompt's uncached tokens; more cached, then fewer in
     flight, then the first listed among equals."""
 
-    # What one request decoding on a worker costs a newcomer there, in prefill tokens:
-    # it shares every step until it finishes (a few steps of a batch, not a prefill).
-    decode_cost_tokens: int = 32
+    # What one request decoding on a worker costs a newcomer there, in prefill tokens. A
+    # continuous batch does not make the newcomer wait for it to finish: it adds its one
+    # token (and its attention over its context) to each step they share, and a newcomer
+    # whose prefill fits a step shares one or two. A queued prefill is paid in full.
+    decode_cost_tokens: int = 4
     uses_cache = True
 
     def cost(self, prompt_tokens: int, candidate: Candidate) -> int:

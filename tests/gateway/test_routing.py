@@ -45,16 +45,16 @@ def test_cache_aware_goes_where_the_prefix_is_when_queues_are_equal() -> None:
 
 
 def test_cache_aware_stays_with_the_prefix_while_its_queue_costs_less_than_the_prefix_saves() -> None:
-    # worker 1 holds the prefix and has two requests decoding (2 x 32 tokens of shared steps)
+    # worker 1 holds the prefix and has two requests decoding (2 x 4 tokens of shared steps)
     # against 480 tokens of prefill on the idle worker 0
     workers = [Candidate(0, 0), Candidate(480, 2)]
-    assert CacheAware().cost(PROMPT, workers[1]) == 2 * 32 + 20
+    assert CacheAware().cost(PROMPT, workers[1]) == 2 * 4 + 20
     assert CacheAware().pick(PROMPT, workers) == 1
 
 
 def test_cache_aware_spills_a_hot_prefix_when_its_worker_is_swamped() -> None:
     # worker 1 holds the prefix but two misses wait there for 1,000 tokens of prefill
-    # and one decodes: 1,000 + 32 + 20 > 500 on the idle worker 0
+    # and one decodes: 1,000 + 4 + 20 > 500 on the idle worker 0
     workers = [Candidate(0, 0), Candidate(480, 3, num_waiting=2, queued_prefill_tokens=1000)]
     assert CacheAware().pick(PROMPT, workers) == 0
 
@@ -76,5 +76,5 @@ def test_cache_aware_breaks_cost_ties_by_the_longer_prefix() -> None:
 
 def test_cache_aware_decode_cost_is_a_setting() -> None:
     workers = [Candidate(0, 0), Candidate(480, 4)]
-    assert CacheAware().pick(PROMPT, workers) == 1  # 4 x 32 + 20 < 500
+    assert CacheAware().pick(PROMPT, workers) == 1  # 4 x 4 + 20 < 500
     assert CacheAware(decode_cost_tokens=200).pick(PROMPT, workers) == 0  # 800 + 20 > 500
