@@ -1,11 +1,13 @@
 """The OpenAI-compatible gateway: cache-aware routing against round robin, and its own overhead.
 
 1. Routing. blockd, two computed workers with small pools (each holds about
-   `POOL_FAMILIES` of the workload's prompt families) and two gateways over the same
-   workers, one cache-aware and one `--routing round-robin`. The same shared-prefix
+   `POOL_FAMILIES` of the workload's prompt families) and three gateways over the same
+   workers: cache-aware (cached prefix weighed against each worker's queue), `--routing
+   prefix` (cache affinity alone) and `--routing round-robin`. The same shared-prefix
    workload goes through each (families of requests sharing a long system prompt,
    each request its own question, interleaved at random, `CONCURRENCY` in flight),
-   blockd flushed in between. The load generator is the official `openai` SDK's async
+   blockd flushed before each run; `ROUNDS` rounds, the order of the policies rotated
+   each round, percentiles over every round's requests. The load generator is the official `openai` SDK's async
    client, streaming with include_usage: hit rate (cached ÷ prompt tokens from the
    responses' usage), TTFT p50/p99 as the client sees it (request -> first content
    chunk), requests/s and output tokens/s. With `--aiperf PATH` (or env AIPERF) NVIDIA's
@@ -16,8 +18,10 @@
    `Generate` straight to computed against `POST /v1/completions` through the gateway
    (one worker: no Tokenize/Route; and two workers: local tokenization (--tokenizer) +
    Route + Generate),
-   alternating call by call; both clients are plain (grpc's sync stub, http.client
-   with keep-alive) so the difference is the gateway's. Goal: <= 1 ms p50.
+   alternating call by call (which of the two goes first alternates too), the direct
+   call to the worker the gateway picks; both clients are plain (grpc's sync stub,
+   http.client with keep-alive) so the difference is the gateway's: p50 and p99 of the
+   per-pair differences. Goal: <= 1 ms p50.
 
     .venv/bin/python -m bench.gateway [--quick] [--aiperf PATH]   # or: python -m bench --only gateway
 """
@@ -56,6 +60,7 @@ BLOCK = 16
 CONCURRENCY = 4
 MAX_TOKENS = 16
 POOL_FAMILIES = 5  # what one worker's pool holds, in families
+ROUNDS = 3  # runs of each routing policy (p99 of one 64-request run is its slowest request)
 OVERHEAD_GOAL_MS = 1.0
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "computed" / "default_model"
 
@@ -63,8 +68,11 @@ DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "computed" / "defau
 @dataclass(frozen=True)
 class Workload:
     families: int
-    per_family: int
+    per_family: int  # requests per family on average
     prefix_words: int
+    # 0: every family alike; s > 0: family f gets a share of the requests ∝ 1/(f+1)^s (hot
+    # families, the case where cache affinity piles requests onto one worker).
+    skew: float = 0.0
 
     def requests(self, seed: int = 0) -> list[tuple[str, str]]:
         """(system prompt, question) pairs, families interleaved at random (seeded)."""
@@ -74,7 +82,10 @@ class Workload:
             f"Family {f}. " + " ".join(rng.choice(words) for _ in range(self.prefix_words))
             for f in range(self.families)
         ]
-        order = [f for f in range(self.families) for _ in range(self.per_family)]
+        total = self.families * self.per_family
+        weights = [1 / (f + 1) ** self.skew for f in range(self.families)]
+        counts = [round(total * w / sum(weights)) for w in weights]
+        order = [f for f in range(self.families) for _ in range(counts[f])]
         rng.shuffle(order)
         return [(systems[f], f"Question {i}: what does {rng.choice(words)} do?") for i, f in enumerate(order)]
 
@@ -86,11 +97,39 @@ class RunStats:
     ttft_p99_ms: float
     requests_per_s: float
     output_tokens_per_s: float
+    ttfts_ms: tuple[float, ...] = ()  # every request's (empty from aiperf)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    spread: str = ""  # the runs' own figures, when pooled
+
+    @classmethod
+    def pooled(cls, runs: Sequence[RunStats]) -> RunStats:
+        """Several runs as one: hit rate over all their tokens, percentiles over all their
+        requests (medians of the runs' own figures where the requests are not known)."""
+        ttfts = sorted(t for r in runs for t in r.ttfts_ms)
+        prompt = sum(r.prompt_tokens for r in runs)
+        return cls(
+            hit_rate=sum(r.cached_tokens for r in runs) / prompt
+            if prompt
+            else statistics.median(r.hit_rate for r in runs),
+            ttft_p50_ms=statistics.median(ttfts) if ttfts else statistics.median(r.ttft_p50_ms for r in runs),
+            ttft_p99_ms=_percentile(ttfts, 0.99) if ttfts else statistics.median(r.ttft_p99_ms for r in runs),
+            requests_per_s=statistics.median(r.requests_per_s for r in runs),
+            output_tokens_per_s=statistics.median(r.output_tokens_per_s for r in runs),
+            ttfts_ms=tuple(ttfts),
+            prompt_tokens=prompt,
+            cached_tokens=sum(r.cached_tokens for r in runs),
+            spread="; ".join(f"{r.hit_rate:.2f}, {r.ttft_p50_ms:.0f}/{r.ttft_p99_ms:.0f}" for r in runs),
+        )
 
 
-def run(ctx: BenchContext, aiperf: str | None = None) -> BenchResult:
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))]
+
+
+def run(ctx: BenchContext, aiperf: str | None = None, skew: float = 0.0, rounds: int = ROUNDS) -> BenchResult:
     aiperf = aiperf or os.environ.get("AIPERF") or None
-    workload = Workload(4, 4, 120) if ctx.quick else Workload(8, 8, 240)
+    workload = Workload(4, 4, 120, skew) if ctx.quick else Workload(8, 8, 240, skew)
     overhead_n = 50 if ctx.quick else 300
     workdir = ctx.scratch("gateway")
     prefix_blocks = workload.prefix_words * 2 // BLOCK + 4  # generous: ~2 tokens a word
@@ -110,31 +149,47 @@ def run(ctx: BenchContext, aiperf: str | None = None) -> BenchResult:
         daemons += workers
         addresses = [w.address for w in workers]
         local = ("--tokenizer", f"{MODEL}={DEFAULT_TOKENIZER}")  # routed prompts tokenized in the gateway
-        aware = start_gateway(workdir, addresses, *local, blockd=blockd.address, name="gateway-aware")
-        robin = start_gateway(
-            workdir, addresses, "--routing", "round-robin", blockd=blockd.address, name="gateway-rr"
-        )
+        gateways = {
+            name: start_gateway(workdir, addresses, *args, blockd=blockd.address, name=f"gateway-{routing}")
+            for name, routing, args in (
+                ("cache-aware", "cache-aware", local),
+                ("prefix only", "prefix", ("--routing", "prefix", *local)),
+                ("round robin", "round-robin", ("--routing", "round-robin")),
+            )
+        }
+        daemons += gateways.values()
         single = start_gateway(workdir, addresses[:1], name="gateway-single")
-        daemons += [aware, robin, single]
+        daemons.append(single)
         requests = workload.requests()
-        asyncio.run(_drive(aware.address, requests[: CONCURRENCY * 2]))  # warm-up, then a clean cache
-        stats = {}
-        for name, gateway in (("cache-aware", aware), ("round robin", robin)):
-            _flush(blockd.address)
-            if aiperf:
-                stats[name] = _aiperf(aiperf, gateway.address, workload, workdir / f"aiperf-{gateway.name}")
-            else:
-                stats[name] = asyncio.run(_drive(gateway.address, requests))
+        for gateway in gateways.values():  # warm-up, then a clean cache
+            asyncio.run(_drive(gateway.address, requests[: CONCURRENCY * 2]))
+        runs: dict[str, list[RunStats]] = {name: [] for name in gateways}
+        rounds = 1 if ctx.quick or aiperf else rounds
+        for r in range(rounds):
+            names = list(gateways)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                _flush(blockd.address)
+                gateway = gateways[name]
+                if aiperf:
+                    out = workdir / f"aiperf-{gateway.name}-{r}"
+                    runs[name].append(_aiperf(aiperf, gateway.address, workload, out))
+                else:
+                    runs[name].append(asyncio.run(_drive(gateway.address, requests)))
+        stats = {name: RunStats.pooled(r) for name, r in runs.items()}
+        _flush(blockd.address)
         overhead = {
             "1 worker (Generate only)": _overhead(workers[0].address, single.address, overhead_n),
+            # flushed and the direct call warms first: Route sends the gateway's to the same worker
             "2 workers (local tokenize + Route + Generate)": _overhead(
-                workers[0].address, aware.address, overhead_n
+                workers[0].address, gateways["cache-aware"].address, overhead_n
             ),
         }
     finally:
         for daemon in reversed(daemons):
             daemon.stop()
-    return _result(workload, pool, stats, overhead, "aiperf" if aiperf else "openai SDK (async, streaming)")
+    return _result(
+        workload, rounds, pool, stats, overhead, "aiperf" if aiperf else "openai SDK (async, streaming)"
+    )
 
 
 async def _drive(address: str, requests: Sequence[tuple[str, str]]) -> RunStats:
@@ -174,13 +229,16 @@ async def _drive(address: str, requests: Sequence[tuple[str, str]]) -> RunStats:
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
     wall = time.perf_counter() - started
     await client.close()
-    ttfts.sort()
+    ttfts_ms = sorted(t * 1e3 for t in ttfts)
     return RunStats(
         hit_rate=cached / prompt if prompt else 0.0,
-        ttft_p50_ms=statistics.median(ttfts) * 1e3,
-        ttft_p99_ms=ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] * 1e3,
+        ttft_p50_ms=statistics.median(ttfts_ms),
+        ttft_p99_ms=_percentile(ttfts_ms, 0.99),
         requests_per_s=len(requests) / wall,
         output_tokens_per_s=output / wall,
+        ttfts_ms=tuple(ttfts_ms),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
     )
 
 
@@ -213,9 +271,13 @@ def _flush(blockd: str) -> None:
         client.flush()
 
 
-def _overhead(computed: str, gateway: str, n: int) -> tuple[float, float, float]:
-    """(direct p50 ms, gateway p50 ms, p50 of the per-pair differences ms), alternating calls."""
-    prompt = "import os\nimport sys\n\ndef main(argv):\n    " * 4
+OVERHEAD_PROMPT = "import os\nimport sys\n\ndef main(argv):\n    " * 4
+
+
+def _overhead(computed: str, gateway: str, n: int) -> tuple[float, float, float, float]:
+    """(direct p50 ms, gateway p50 ms, p50 and p99 of the per-pair differences ms), alternating
+    calls and which of the two goes first."""
+    prompt = OVERHEAD_PROMPT
     channel = open_channel(computed)
     stub = generation_pb2_grpc.GenerationServiceStub(channel)
     request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=1)
@@ -244,51 +306,69 @@ def _overhead(computed: str, gateway: str, n: int) -> tuple[float, float, float]
     try:
         for _ in range(20):  # warm: the prompt cached, connections open
             direct(), through()
-        pairs = [(direct(), through()) for _ in range(n)]
+        pairs = []
+        for i in range(n):
+            if i % 2:
+                g = through()
+                pairs.append((direct(), g))
+            else:
+                pairs.append((direct(), through()))
     finally:
         connection.close()
         channel.close()
+    differences = sorted((g - d) * 1e3 for d, g in pairs)
     return (
         statistics.median(d for d, _ in pairs) * 1e3,
         statistics.median(g for _, g in pairs) * 1e3,
-        statistics.median(g - d for d, g in pairs) * 1e3,
+        statistics.median(differences),
+        _percentile(differences, 0.99),
     )
 
 
 def _result(
     workload: Workload,
+    rounds: int,
     pool: str,
     stats: dict[str, RunStats],
-    overhead: dict[str, tuple[float, float, float]],
+    overhead: dict[str, tuple[float, float, float, float]],
     loadgen: str,
 ) -> BenchResult:
     aware, robin = stats["cache-aware"], stats["round robin"]
-    single = overhead["1 worker (Generate only)"][2]
-    routed = overhead["2 workers (local tokenize + Route + Generate)"][2]
+    single = overhead["1 worker (Generate only)"]
+    routed = overhead["2 workers (local tokenize + Route + Generate)"]
     figures = [
         Figure("hit rate, cache-aware", round(aware.hit_rate, 3)),
         Figure("hit rate, round robin", round(robin.hit_rate, 3)),
         Figure("TTFT p50 cache-aware ÷ round robin", round(aware.ttft_p50_ms / robin.ttft_p50_ms, 3)),
+        Figure("TTFT p99 cache-aware ÷ round robin", round(aware.ttft_p99_ms / robin.ttft_p99_ms, 3)),
         Figure("throughput cache-aware ÷ round robin", round(aware.requests_per_s / robin.requests_per_s, 3)),
-        Figure("gateway overhead p50, 1 worker", round(single, 3), "ms", Goal("<=", OVERHEAD_GOAL_MS)),
-        Figure("gateway overhead p50, 2 workers routed", round(routed, 3), "ms"),
+        Figure("gateway overhead p50, 1 worker", round(single[2], 3), "ms", Goal("<=", OVERHEAD_GOAL_MS)),
+        Figure("gateway overhead p99, 1 worker", round(single[3], 3), "ms"),
+        Figure("gateway overhead p50, 2 workers routed", round(routed[2], 3), "ms"),
+        Figure("gateway overhead p99, 2 workers routed", round(routed[3], 3), "ms"),
     ]
     table = [
-        "| routing | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | requests/s | output tok/s |",
-        "|---|---|---|---|---|---|",
+        "| routing | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | requests/s | output tok/s | per round: hit rate, p50/p99 |",
+        "|---|---|---|---|---|---|---|",
     ]
     table += [
         f"| {name} | {s.hit_rate:.3f} | {s.ttft_p50_ms:.1f} | {s.ttft_p99_ms:.1f} | "
-        f"{s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} |"
+        f"{s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} | {s.spread} |"
         for name, s in stats.items()
     ]
-    table += ["", "| path | direct gRPC p50 (ms) | through the gateway p50 (ms) | overhead p50 (ms) |"]
-    table += ["|---|---|---|---|"]
-    table += [f"| {name} | {d:.3f} | {g:.3f} | {o:.3f} |" for name, (d, g, o) in overhead.items()]
+    table += [
+        "",
+        "| path | direct gRPC p50 (ms) | through the gateway p50 (ms) | overhead p50 (ms) | overhead p99 (ms) |",
+    ]
+    table += ["|---|---|---|---|---|"]
+    table += [
+        f"| {name} | {d:.3f} | {g:.3f} | {o:.3f} | {o99:.3f} |" for name, (d, g, o, o99) in overhead.items()
+    ]
     details = (
         f"{workload.families} families × {workload.per_family} chat requests (a {workload.prefix_words}-word "
-        f"system prompt per family, one question each), {MAX_TOKENS} tokens out (ignore_eos), "
-        f"{CONCURRENCY} in flight, {loadgen} as the load generator; two workers of "
+        f"system prompt per family, popularity skew {workload.skew}: ∝ 1/(f+1)^skew; "
+        f"one question each), {MAX_TOKENS} tokens out (ignore_eos), "
+        f"{CONCURRENCY} in flight, {loadgen} as the load generator, {rounds} round(s) per policy; two workers of "
         f"{pool} blocks × {BLOCK} tokens each (about {POOL_FAMILIES} families).\n\n" + "\n".join(table)
     )
     return BenchResult("gateway", TITLE, figures, details)
@@ -300,10 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--aiperf", help="aiperf executable as load generator (default: env AIPERF; none: openai SDK)"
     )
+    parser.add_argument(
+        "--skew", type=float, default=0.0, help="family popularity ∝ 1/(f+1)^SKEW (0: uniform)"
+    )
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="runs of each routing policy")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         ctx = BenchContext(args.quick, Path(tmp), Path(tmp), "python -m bench.gateway")
-        result = run(ctx, args.aiperf)
+        result = run(ctx, args.aiperf, args.skew, args.rounds)
     for figure in result.figures:
         goal = f"  (goal {figure.goal.op} {figure.goal.target})" if figure.goal else ""
         print(f"{figure.name}: {figure.value} {figure.unit}{goal}")

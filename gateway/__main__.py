@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from gateway.config import LOG_FORMATS, ROUTING_MODES, GatewayConfig
+from gateway.config import EVENT_LOOPS, HTTP_PARSERS, LOG_FORMATS, ROUTING_MODES, GatewayConfig
 from gateway.tenants import load_keys
 
 KEYS_ENV = "GATEWAY_API_KEYS"
@@ -126,6 +127,18 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="tokenize MODEL's prompts here with DIR's tokenizer.json and chat template instead of "
         "a worker's Tokenize (repeatable) [env GATEWAY_TOKENIZERS, comma-separated]",
     )
+    p.add_argument(
+        "--loop",
+        choices=EVENT_LOOPS,
+        default=_env("GATEWAY_LOOP", "auto"),
+        help="event loop; auto: uvloop when installed [env GATEWAY_LOOP]",
+    )
+    p.add_argument(
+        "--http",
+        choices=HTTP_PARSERS,
+        default=_env("GATEWAY_HTTP", "auto"),
+        help="HTTP/1.1 parser; auto: httptools when installed [env GATEWAY_HTTP]",
+    )
     a = p.parse_args(argv)
     try:
         keys = load_keys(Path(a.api_keys_file) if a.api_keys_file else None, _env(KEYS_ENV))
@@ -144,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             ready_file=a.ready_file,
             log_format=a.log_format,
             drain_seconds=a.drain_seconds,
+            event_loop=a.loop,
+            http=a.http,
             tokenizers=tokenizer_specs(a.tokenizer or (_env("GATEWAY_TOKENIZERS") or "").split(",")),
         )
     except (ValueError, OSError) as exc:
@@ -156,7 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server import serve
 
     configure_logging(config.log_format)
-    return asyncio.run(serve(config))
+    with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
+        return runner.run(serve(config))
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop for "uvloop" (and for "auto" when it is installed); None: asyncio's."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise SystemExit("gateway: --loop uvloop needs the uvloop package") from None
+        return None
+    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-ROUTING_MODES = ("cache-aware", "round-robin")
+from gateway.routing import POLICIES
+
+ROUTING_MODES = tuple(POLICIES)
 LOG_FORMATS = ("auto", "console", "json")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+HTTP_PARSERS = ("auto", "httptools", "h11")
 
 
 @dataclass(frozen=True)
@@ -15,8 +19,9 @@ class GatewayConfig:
     # None: no blockd, every request goes to the least-loaded worker of its model.
     blockd: str | None = "127.0.0.1:50051"
     computed: tuple[str, ...] = ("127.0.0.1:50052",)
-    # cache-aware: blockd's Route (longest cached prefix, load-aware), least-loaded when it
-    # cannot answer; round-robin: never ask blockd (the benchmark's baseline).
+    # A policy of gateway.routing. cache-aware: blockd's Route says what each worker caches,
+    # the queue each one has says what waiting there costs (least-loaded when Route cannot
+    # answer); prefix: cache affinity only; least-loaded, round-robin: never ask blockd.
     routing: str = "cache-aware"
     # API key -> tenant; empty: open (every caller shares one cache, said at start-up).
     api_keys: Mapping[str, str] = field(default_factory=dict)
@@ -36,6 +41,10 @@ class GatewayConfig:
     drain_seconds: float = 30.0
     # model id -> checkpoint folder whose tokenizer the gateway runs itself (no Tokenize call).
     tokenizers: Mapping[str, str] = field(default_factory=dict)
+    # auto: uvloop and httptools when installed (C event loop and HTTP parser: less time per
+    # request in the gateway), else asyncio's loop and h11.
+    event_loop: str = "auto"
+    http: str = "auto"
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -48,6 +57,10 @@ class GatewayConfig:
                 raise ValueError(f"daemon addresses are HOST:PORT, got {address!r}")
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"--loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
+        if self.http not in HTTP_PARSERS:
+            raise ValueError(f"--http must be one of {', '.join(HTTP_PARSERS)}, got {self.http!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.public_prefix_tokens < 0:

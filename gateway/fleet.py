@@ -2,12 +2,14 @@
 
 Placement of one request (`Fleet.place`):
 1. the workers of its model that are up and below `max_inflight_per_worker` (none: 429);
-2. cache-aware with blockd and several such workers: the prompt is tokenized once (here
-   with `--tokenizer`, else a worker's Tokenize; token ids given by the caller need none), blockd's `Route` ranks
-   the pools by cached prefix (load-aware), and the first ranked worker that is
-   available gets the token ids, so it never tokenizes the prompt again;
-3. otherwise (one worker, round-robin mode, blockd away or ranking none of ours): the
-   least-loaded worker by this gateway's in-flight count (round robin in round-robin mode).
+   one such worker gets the request as it is (nothing to choose, nothing to ask);
+2. a policy that weighs caches (`gateway.routing`), blockd, and a prompt of at least one
+   block: the prompt is tokenized once (here with `--tokenizer`, else a worker's Tokenize;
+   token ids given by the caller need none) and blockd's `Route` says how many of its
+   tokens each pool caches; the chosen worker gets the token ids, so it never tokenizes
+   the prompt again;
+3. the policy picks from each worker's cached tokens (0 without Route) and the load this
+   gateway has sent it (in flight, and prefill still queued).
 
 A worker found unreachable is marked down and skipped until its GetModelInfo answers again.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from clients.types import ModelInfo, Route
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.errors import NOT_FOUND, RATE_LIMITED, UNAVAILABLE, ApiError
+from gateway.routing import Candidate, make_policy
 from gateway.tokenizer import LocalTokenizer, load_tokenizers
 from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2_grpc
 
@@ -47,10 +49,36 @@ class Worker:
     channel: grpc.aio.Channel
     info: ModelInfo | None = None
     inflight: int = 0
+    # Requests in flight without a first token yet, and their uncached prompt tokens (where known).
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
 
     @property
     def model(self) -> str | None:
         return self.info.model_id if self.info is not None else None
+
+    def admit(self, placement: Placement) -> None:
+        self.inflight += 1
+        self.num_waiting += 1
+        self.queued_prefill_tokens += placement.uncached_tokens
+
+    def first_token(self, placement: Placement) -> None:
+        """The request's prefill is done (or it ended before one): no longer queued."""
+        self.num_waiting -= 1
+        self.queued_prefill_tokens -= placement.uncached_tokens
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes, what to send (token ids when it was tokenized to route), and
+    how many of its prompt tokens the worker is estimated to prefill (0: unknown)."""
+
+    worker: Worker
+    prompt: Prompt
+    uncached_tokens: int = 0
 
 
 class Fleet:
@@ -62,7 +90,7 @@ class Fleet:
         self._route_metadata = (
             (("authorization", f"Bearer {config.route_token}"),) if config.route_token else ()
         )
-        self._turn = itertools.count()
+        self.policy = make_policy(config.routing)
         self._refresher: asyncio.Task | None = None
         self.tokenizers: dict[str, LocalTokenizer] = load_tokenizers(dict(config.tokenizers))
 
@@ -73,7 +101,7 @@ class Fleet:
         for address in self.config.computed:
             channel = open_aio_channel(address)
             self.workers.append(Worker(address, generation_pb2_grpc.GenerationServiceStub(channel), channel))
-        if self.config.blockd and self.config.routing == "cache-aware":
+        if self.config.blockd and self.policy.uses_cache:
             self._blockd_channel = open_aio_channel(self.config.blockd)
             self._route_stub = directory_pb2_grpc.RoutingServiceStub(self._blockd_channel)
         await self.refresh()
@@ -135,37 +163,49 @@ class Fleet:
 
     # ------------------------------------------------------------ placement
 
-    async def place(self, model: str, prompt: Prompt) -> tuple[Worker, Prompt]:
-        """The worker for `prompt` and what to send it (token ids when it was tokenized to route)."""
+    async def place(self, model: str, prompt: Prompt) -> Placement:
+        """The worker for `prompt` and what to send it."""
         available = self._available(model)
-        if self.config.routing == "round-robin":
-            metrics.ROUTING.labels("round_robin").inc()
-            return available[next(self._turn) % len(available)], prompt
-        if self._route_stub is None or len(available) < 2:
-            metrics.ROUTING.labels("least_loaded").inc()
-            return least_loaded(available), prompt
-        token_ids = prompt.token_ids
-        if token_ids is None and model in self.tokenizers:
+        if len(available) == 1:
+            metrics.ROUTING.labels("single").inc()
+            return Placement(available[0], prompt)
+        token_ids, route = None, None
+        if self.policy.uses_cache and self._route_stub is not None:
+            token_ids = await self._token_ids(model, prompt, available)
+            available = self._available(model)  # a tokenizing worker may have gone down
+            if token_ids is not None and len(token_ids) >= _block_size(available):  # shorter: nothing cached
+                route = await self._route(token_ids, prompt)
+        cached = cached_tokens(route, available) if route is not None else [0] * len(available)
+        candidates = [
+            Candidate(c, w.inflight, w.num_waiting, w.queued_prefill_tokens)
+            for c, w in zip(cached, available, strict=True)
+        ]
+        index = self.policy.pick(len(token_ids or ()), candidates)
+        metrics.ROUTING.labels(decision(self.config.routing, cached if route else None, index)).inc()
+        if token_ids is None:
+            return Placement(available[index], prompt)
+        routed = dataclasses.replace(prompt, text=None, messages=None, token_ids=tuple(token_ids))
+        return Placement(available[index], routed, len(token_ids) - cached[index])
+
+    async def _token_ids(
+        self, model: str, prompt: Prompt, available: Sequence[Worker]
+    ) -> Sequence[int] | None:
+        """The prompt's token ids: given, tokenized here, or by a worker (None: none could)."""
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if model in self.tokenizers:
             token_ids = self.tokenizers[model].tokenize(prompt)
             metrics.TOKENIZED.labels("local" if token_ids is not None else "worker").inc()
-        if token_ids is None:
-            tokenizer = least_loaded(available)
-            try:
-                token_ids = await self._tokenize(tokenizer, prompt)
-            except KVCacheError as error:
-                if not error.is_unreachable:
-                    raise
-                self.mark_down(tokenizer)  # the others may still serve, as the prompt is
-                metrics.ROUTING.labels("least_loaded").inc()
-                return least_loaded(self._available(model)), prompt
-        routed = dataclasses.replace(prompt, text=None, messages=None, token_ids=token_ids)
-        route = await self._route(token_ids, prompt)
-        chosen = choose(route, available) if route is not None else None
-        if chosen is None:
-            metrics.ROUTING.labels("least_loaded").inc()
-            return least_loaded(available), routed
-        metrics.ROUTING.labels("routed").inc()
-        return chosen, routed
+            if token_ids is not None:
+                return token_ids
+        tokenizer = least_loaded(available)
+        try:
+            return await self._tokenize(tokenizer, prompt)
+        except KVCacheError as error:
+            if not error.is_unreachable:
+                raise
+            self.mark_down(tokenizer)  # the others may still serve, as the prompt is
+            return None
 
     def _available(self, model: str) -> list[Worker]:
         workers = self.workers_of(model)
@@ -216,13 +256,27 @@ def least_loaded(workers: Sequence[Worker]) -> Worker:
     return min(workers, key=lambda w: w.inflight)
 
 
-def choose(route: Route, available: Sequence[Worker]) -> Worker | None:
-    """The first worker in blockd's ranking that is available here (addresses as both spell them)."""
-    by_address = {normalize_address(w.address): w for w in available}
-    ranked = [route.worker_address] if route.worker_address else []
-    ranked += [c.worker_address for c in route.candidates]
-    for address in ranked:
-        worker = by_address.get(normalize_address(address)) if address else None
-        if worker is not None:
-            return worker
-    return None
+def cached_tokens(route: Route, available: Sequence[Worker]) -> list[int]:
+    """Per available worker, the prompt tokens its pool caches by blockd's Route (addresses
+    as both spell them; 0 for a worker Route does not know)."""
+    by_address = {c.worker_address and normalize_address(c.worker_address): c for c in route.candidates}
+    out = []
+    for worker in available:
+        match = by_address.get(normalize_address(worker.address))
+        out.append(match.num_cached_tokens if match is not None else 0)
+    return out
+
+
+def decision(routing: str, cached: Sequence[int] | None, index: int) -> str:
+    """The metric's word: round_robin / least_loaded (those policies, or no Route answer),
+    routed (Route answered; the pick caches the longest prefix), spilled (load sent it to
+    a worker caching less)."""
+    if routing in ("round-robin", "least-loaded"):
+        return routing.replace("-", "_")
+    if cached is None:
+        return "least_loaded"
+    return "routed" if cached[index] == max(cached) else "spilled"
+
+
+def _block_size(workers: Sequence[Worker]) -> int:
+    return min((w.info.block_size for w in workers if w.info is not None), default=1)

@@ -11,6 +11,7 @@ round of work in grpc's core on the hot path).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,7 +21,7 @@ from clients.errors import KVCacheError
 from clients.requests import Prompt, SamplingParams
 from clients.types import GenerateChunk
 from gateway.errors import from_daemon
-from gateway.fleet import Fleet, Worker
+from gateway.fleet import Fleet, Placement, Worker
 
 
 class Generation:
@@ -31,26 +32,29 @@ class Generation:
         self._sampling = sampling
         self._call: grpc.aio.UnaryStreamCall | None = None
         self.worker: Worker | None = None
+        self._placement: Placement | None = None
+        self._waiting = False  # counted in the worker's queued prefill
         self.head: GenerateChunk | None = None
         self._finished = False
 
     async def start(self) -> None:
         """Place, send, and read the first message; raises ApiError."""
         try:
-            worker, prompt = await self._fleet.place(self._model, self._prompt)
+            placement = await self._fleet.place(self._model, self._prompt)
             while True:
-                self._open(worker, prompt)
+                self._open(placement)
                 try:
                     self.head = await self._read()
+                    self._prefilled()
                     return
                 except KVCacheError as error:
                     if error.code is not grpc.StatusCode.UNAVAILABLE:
                         raise
                     self._release()
-                    nxt = self._fleet.failover(self._model, worker)
+                    nxt = self._fleet.failover(self._model, placement.worker)
                     if nxt is None:
                         raise
-                    worker = nxt
+                    placement = dataclasses.replace(placement, worker=nxt)
         except KVCacheError as error:
             self.close()
             raise from_daemon(error) from None
@@ -78,16 +82,23 @@ class Generation:
             self._call.cancel()
         self._release()
 
-    def _open(self, worker: Worker, prompt: Prompt) -> None:
-        self.worker = worker
-        worker.inflight += 1
-        request = prompt.to_request(self._sampling)
+    def _open(self, placement: Placement) -> None:
+        self.worker, self._placement = placement.worker, placement
+        placement.worker.admit(placement)
+        self._waiting = True
+        request = placement.prompt.to_request(self._sampling)
         self._finished = False
-        self._call = worker.stub.Generate(request, timeout=self._fleet.config.request_timeout)
+        self._call = placement.worker.stub.Generate(request, timeout=self._fleet.config.request_timeout)
+
+    def _prefilled(self) -> None:
+        if self._waiting and self._placement is not None:
+            self._placement.worker.first_token(self._placement)
+            self._waiting = False
 
     def _release(self) -> None:
         if self.worker is not None and self._call is not None:
-            self.worker.inflight -= 1
+            self._prefilled()
+            self.worker.release()
             self._call = None
 
     async def _read(self) -> GenerateChunk | None:

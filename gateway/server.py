@@ -46,6 +46,8 @@ async def serve(config: GatewayConfig) -> int:
             access_log=False,
             timeout_graceful_shutdown=config.drain_seconds,
             lifespan="on",
+            http=config.http,
+            proxy_headers=False,  # nothing here reads the client's address
         )
     )
     loop = asyncio.get_running_loop()

@@ -7,7 +7,7 @@ import ast
 from tests.daemons import REPO
 
 FORBIDDEN = ("blockd", "computed", "tests", "bench")
-PURE = ("schema", "errors", "responses", "tenants", "config")  # no I/O: validation and mapping
+PURE = ("schema", "errors", "responses", "tenants", "config", "routing")  # no I/O: validation and mapping
 
 
 def _imports(path) -> set[str]:
