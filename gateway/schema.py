@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from clients.requests import Prompt, SamplingParams
+from clients.requests import WHOLE_COMPLETION, Prompt, SamplingParams
 from clients.types import ChatMessage
 from gateway.errors import invalid, unsupported
 
@@ -177,6 +177,9 @@ def _request(
         seed=_seed(body),
         stop=_stop(body.get("stop")),
         ignore_eos=_bool(body, "ignore_eos"),
+        # A non-streaming answer is read whole: the worker sends the first token (so a
+        # failure shows before the reply starts), then the rest in one message.
+        stream_interval=0 if stream else WHOLE_COMPLETION,
     )
     return GenerationRequest(kind, model, prompts, sampling, n, stream, include_usage, user)
 

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from clients.errors import KVCacheError
+from clients.requests import WHOLE_COMPLETION
 from clients.types import ChatMessage, Usage
 from gateway.__main__ import parse_args
 from gateway.config import GatewayConfig
@@ -128,6 +129,16 @@ def test_completion_refusals_name_the_parameter(body, param) -> None:
 def test_noop_defaults_are_accepted() -> None:
     req = parse_completion({"model": "m", "prompt": "a", "echo": False, "best_of": 1, "logprobs": None})
     assert req.n == 1 and not req.stream
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_only_streams_ask_the_worker_for_every_token(stream) -> None:
+    # A non-streaming reply is read whole: the worker groups what follows the first token.
+    body = {"model": "m", "prompt": "hi", "stream": stream}
+    expect = 0 if stream else WHOLE_COMPLETION
+    assert parse_completion(body).sampling.stream_interval == expect
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    assert parse_chat(chat).sampling.stream_interval == expect
 
 
 def test_a_body_that_is_not_an_object_is_400() -> None:
