@@ -8,6 +8,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# g++: computed builds its native CPU decode kernel at its first start (for the CPU it runs
+# on, so not at image build time), into TORCH_EXTENSIONS_DIR; without it, torch's kernels run.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+ENV TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 # torch first, in its own layer: it is by far the largest and changes least often.

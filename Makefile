@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.kernels
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
 	cd clients/node && npm install --no-audit --no-fund --silent
+	touch $@
+
+# computed's native CPU decode kernel, built once here so no daemon start waits for it.
+$(VENV)/.kernels: $(VENV)/.installed computed/kernels/paged_decode.cpp
+	$(BIN)/python -m computed.kernels
 	touch $@
 
 # Generated code lives in kvcache/ and is never edited by hand.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from computed import kernels
 from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec
 from computed.engine import Engine
@@ -101,6 +103,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     dtype = _pick_dtype(config.dtype, device)
     if device.type == "cpu":
         log.info("host_allocator", keeps_large_buffers=keep_large_buffers())
+        _load_cpu_kernels()
     loaded = load_model(config.model, device, dtype)
     tokenizer = Tokenizer(config.model)
     mc = loaded.config
@@ -217,6 +220,21 @@ async def serve(config: ComputedConfig) -> int:
     start.cancel()
     await built.stop()
     return 0
+
+
+def _load_cpu_kernels() -> None:
+    """The native decode kernel loads (or, on a first start, builds) beside the model
+    load; until then, steps run torch's kernels (same results up to float rounding)."""
+    started = time.monotonic()
+
+    def done(loaded: bool, error: str | None) -> None:
+        seconds = round(time.monotonic() - started, 2)
+        if loaded:
+            log.info("cpu_kernels_ready", kernel="kvcache::paged_decode", seconds=seconds)
+        else:
+            log.warning("cpu_kernels_unavailable", reason=error, fallback="torch kernels")
+
+    kernels.load_in_background(done)
 
 
 def _pick_device(name: str) -> torch.device:

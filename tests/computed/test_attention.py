@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from computed import attention
+from computed import attention, kernels
 from computed.attention import AttentionBatch, SpanInput, paged_attention
 from computed.attention_plan import find_segments
 from computed.kv_pool import KVPool
@@ -71,10 +71,16 @@ def _dense(q, keys, values, heads: int, kv_heads: int, dim: int, cached, lengths
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "matmul"])
+@pytest.mark.parametrize("path", ["native", "fused-cpu", "matmul"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_steps_match_dense_attention(seed: int, fused: bool, monkeypatch) -> None:
-    if not fused:
+def test_random_steps_match_dense_attention(seed: int, path: str, monkeypatch) -> None:
+    if path == "native":
+        assert kernels.paged_decode() is not None, (
+            f"the native decode kernel did not build: {kernels.error()}"
+        )
+    else:
+        monkeypatch.setattr(kernels, "paged_decode", lambda: None)
+    if path == "matmul":
         monkeypatch.setattr(attention, "_FLASH_CPU", None)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,20 @@
+"""`python -m computed.kernels`: build (or load) the native CPU kernels and say which."""
+
+from __future__ import annotations
+
+import sys
+
+from computed import kernels
+
+
+def main() -> int:
+    op = kernels.paged_decode()
+    if op is None:
+        print(f"native CPU kernels unavailable ({kernels.error()}); computed uses torch's kernels")
+        return 0
+    print("native CPU kernels ready: kvcache::paged_decode")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
