@@ -5,7 +5,9 @@ default model's 8 query / 4 K/V heads x 32) and each way to run it: torch's fuse
 flash kernel with each K/V head's query heads folded into its rows ("fold"), the same
 kernel with K/V repeated per query head ("repeat"), and float32 batched matmuls with a
 log-sum-exp ("matmul"); also a K/V gather from the pool by slots and by whole blocks,
-with glibc's default allocator thresholds and with computed's (`host_allocator`). The
+with glibc's default allocator thresholds and with computed's (`host_allocator`); and
+decode rows as a step runs them, 4 layers from cold caches: gather + "fold" against
+`computed.kernels`' native paged decode kernel, which reads the pool in place. The
 choices in `computed/attention.py` cite this table.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -84,6 +87,59 @@ def main() -> None:
         f"gather 64 x 1,120 slots of K: by slot {timed(lambda: pool.index_select(0, slots)):.2f} ms, "
         f"by block {timed(lambda: by_block.index_select(0, blocks)):.2f} ms"
     )
+
+    decode_rows()
+
+
+def decode_rows(layers: int = 4) -> None:
+    """One query row per item over its slots, K/V pools the size of computed's default ones
+    (a fresh 16 MiB write between runs pushes them out of cache, as a step's other layers do)."""
+    from computed import kernels
+
+    native = kernels.paged_decode()
+    num_slots = 8192 * BLOCK
+    pools = [torch.randn(2, num_slots, KV_HEADS, DIM) for _ in range(layers)]
+    evict = torch.zeros(4 * 1024 * 1024)
+
+    def cold(fn) -> float:
+        times = []
+        for _ in range(11):
+            evict.add_(1)
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return sorted(times)[5] * 1e3
+
+    print(
+        f"decode rows, {layers} layers, cold: gather + fold vs native paged decode ({kernels.error() or 'built'})"
+    )
+    for items, width_k in ((8, 1001), (64, 97), (64, 1100)):
+        blocks = torch.randperm(8192)[: items * -(-width_k // BLOCK)].view(items, -1)
+        slots = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK)).view(items, -1)[:, :width_k].contiguous()
+        q = torch.randn(items, HEADS, DIM)
+
+        row = (
+            f"  {items} x 1 x {width_k}: gather + fold {cold(partial(_gather_fold, pools, q, slots)):.2f} ms"
+        )
+        if native is not None:
+            run = partial(_native, native, pools, q, slots, torch.full((items,), width_k))
+            row += f", native {cold(run):.2f} ms"
+        print(row)
+
+
+def _gather_fold(pools: list[torch.Tensor], q: torch.Tensor, slots: torch.Tensor) -> None:
+    items, width_k = slots.shape
+    for kv in pools:
+        k, v = (
+            c.view(c.shape[0], -1).index_select(0, slots.view(-1)).view(items, width_k, KV_HEADS, DIM)
+            for c in kv
+        )
+        fold(q[:, None], k, v)
+
+
+def _native(op, pools: list[torch.Tensor], q: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> None:
+    for kv in pools:
+        op(q, kv[0], kv[1], slots, lens, DIM**-0.5)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,11 @@ class SharedIndex:
             record = store.record
             if record.parent_hash is not None:
                 parent = self.index.get(record.parent_hash)
-                if parent is None or parent.identity != store.parent_identity:
+                if (
+                    parent is None
+                    or parent.identity != store.parent_identity
+                    or parent.depth != record.depth - 1  # a colliding hash at another depth
+                ):
                     continue  # its parent never made it: it could never be reached
             else:
                 parent = None

@@ -21,7 +21,7 @@ SOURCE = Path(__file__).resolve().parent / "paged_decode.cpp"
 ENV = "COMPUTED_CPU_KERNELS"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "op", "error" once loaded; "loader" while a background load runs
+_state: dict[str, object] = {}  # "op" and "error", once loaded
 
 
 def enabled() -> bool:
@@ -29,31 +29,8 @@ def enabled() -> bool:
 
 
 def paged_decode() -> Callable | None:
-    """The op, built or loaded once per process; None where it cannot be had (`error()` says
-    why), and None without waiting while `load_in_background` is still building it."""
-    loader = _state.get("loader")
-    if loader is not None and loader.is_alive() and "op" not in _state:  # type: ignore[attr-defined]
-        return None
-    return _ensure()
-
-
-def load_in_background(done: Callable[[bool, str | None], None] | None = None) -> threading.Thread:
-    """Build or load the kernels in a thread (a daemon's start-up does not wait for a first
-    build); until it is done, `paged_decode()` answers None and torch's kernels run.
-    `done(loaded, error)` is called from that thread at the end."""
-
-    def run() -> None:
-        op = _ensure()
-        if done is not None:
-            done(op is not None, error())
-
-    thread = threading.Thread(target=run, name="kernels-build", daemon=True)
-    _state["loader"] = thread
-    thread.start()
-    return thread
-
-
-def _ensure() -> Callable | None:
+    """The op, built or loaded once per process (the first call waits for it); None where it
+    cannot be had (`error()` says why)."""
     with _lock:
         if "op" not in _state:
             _state["op"], _state["error"] = _load()
