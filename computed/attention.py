@@ -30,7 +30,8 @@ heads x 32). A tile of one query per item (every decode row's private context) r
 `computed.kernels`' paged decode kernel where it builds: it reads each key and value
 once, straight from the pool through the slot list, where gathering them for a fused
 kernel read them twice and wrote them once (memory-bound on CPU); 4 layers of 8 rows x
-1,001 keys 11.3 -> 4.2 ms, 64 x 97 10.1 -> 3.3 ms, 64 x 1,100 86 -> 32 ms. Other tiles: torch's fused CPU flash kernel with the query heads of one K/V head folded
+1,001 keys 11.3 -> 4.8 ms, 64 x 97 8.8 -> 3.8 ms, 64 x 1,100 89 -> 37 ms (cold caches).
+Other tiles: torch's fused CPU flash kernel with the query heads of one K/V head folded
 into the query rows (no K/V repeat) beat a batched matmul by 2.4x on 64 decode rows x
 1,152 keys (9 vs 22 ms), 1.6x on a shared segment of 64 decode rows x 1,024 keys and 2.2x
 on 4,032 prefill rows x 1,024 keys, and one SDPA call per sequence by 2x. Other devices
