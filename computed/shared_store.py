@@ -83,8 +83,14 @@ def encode(namespace: bytes, block: StoredBlock, layout: Layout, kv: bytes) -> b
 
 def header(namespace: bytes, block: StoredBlock, layout: Layout) -> bytes:
     """The part of a value before its K/V bytes: the header, then the block's tokens."""
+    fixed = HEADER.pack(*_header_fields(namespace, block, layout))
+    return fixed + struct.pack(f"<{len(block.token_ids)}I", *block.token_ids)
+
+
+def _header_fields(namespace: bytes, block: StoredBlock, layout: Layout) -> tuple:
+    """HEADER's fields for `block` in this namespace and layout, in HEADER's order."""
     flags = (HAS_PARENT if block.parent_hash is not None else 0) | (SALTED if block.salt_digest else 0)
-    fixed = HEADER.pack(
+    return (
         MAGIC,
         VERSION,
         flags,
@@ -100,7 +106,6 @@ def header(namespace: bytes, block: StoredBlock, layout: Layout) -> bytes:
         layout.kv_nbytes,
         layout.dtype.encode().ljust(16, b"\0"),
     )
-    return fixed + struct.pack(f"<{len(block.token_ids)}I", *block.token_ids)
 
 
 def decode(value: bytes | None, namespace: bytes, block: StoredBlock, layout: Layout) -> memoryview | None:
@@ -112,24 +117,7 @@ def decode(value: bytes | None, namespace: bytes, block: StoredBlock, layout: La
     expected = HEADER.size + num_tokens * TOKEN.size + layout.kv_nbytes
     if len(value) != expected:
         return None
-    flags = (HAS_PARENT if block.parent_hash is not None else 0) | (SALTED if block.salt_digest else 0)
-    wanted = (
-        MAGIC,
-        VERSION,
-        flags,
-        namespace,
-        block.block_hash,
-        block.parent_hash or bytes(16),
-        block.salt_digest or bytes(16),
-        block.depth,
-        layout.num_layers,
-        layout.num_kv_heads,
-        layout.head_dim,
-        layout.block_size,
-        layout.kv_nbytes,
-        layout.dtype.encode().ljust(16, b"\0"),
-    )
-    if HEADER.unpack_from(value) != wanted:
+    if HEADER.unpack_from(value) != _header_fields(namespace, block, layout):
         return None
     tokens = struct.unpack_from(f"<{num_tokens}I", value, HEADER.size)
     if tokens != tuple(block.token_ids):
