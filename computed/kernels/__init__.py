@@ -10,8 +10,9 @@ torch's extensions directory (`TORCH_EXTENSIONS_DIR`); `make install` builds it 
 
 from __future__ import annotations
 
+import functools
 import os
-import threading
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,26 +21,30 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "paged_decode.cpp"
 ENV = "COMPUTED_CPU_KERNELS"
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "op" and "error", once loaded
-
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "no")
 
 
+def has_compiler() -> bool:
+    """A C++ compiler is installed (`CXX`, else `c++`): then the kernel must build."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def paged_decode() -> Callable | None:
     """The op, built or loaded once per process (the first call waits for it); None where it
     cannot be had (`error()` says why)."""
-    with _lock:
-        if "op" not in _state:
-            _state["op"], _state["error"] = _load()
-        return _state["op"]  # type: ignore[return-value]
+    return _loaded()[0]
 
 
 def error() -> str | None:
-    """Why `paged_decode()` is None (None when it loaded or was never asked for)."""
-    return _state.get("error")  # type: ignore[return-value]
+    """Why `paged_decode()` is None (None when it loaded)."""
+    return _loaded()[1]
+
+
+@functools.cache
+def _loaded() -> tuple[Callable | None, str | None]:
+    return _load()
 
 
 def _load() -> tuple[Callable | None, str | None]:

@@ -7,9 +7,7 @@ and the log-sum-exp merge are exercised; both the fused CPU kernel and the matmu
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -77,7 +75,7 @@ def _dense(q, keys, values, heads: int, kv_heads: int, dim: int, cached, lengths
 @pytest.mark.parametrize("seed", range(12))
 def test_random_steps_match_dense_attention(seed: int, path: str, monkeypatch) -> None:
     if path == "native":
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
+        if not kernels.has_compiler():
             pytest.skip("needs a C++ compiler to build the native kernel")
         assert kernels.paged_decode() is not None, (
             f"the native decode kernel did not build: {kernels.error()}"

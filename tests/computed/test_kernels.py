@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from computed import kernels
 
 # Where a C++ compiler is installed the kernel must build; elsewhere computed falls back.
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
-needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler to build the kernel")
+needs_compiler = pytest.mark.skipif(
+    not kernels.has_compiler(), reason="needs a C++ compiler to build the kernel"
+)
 
 
 @pytest.fixture(scope="module")

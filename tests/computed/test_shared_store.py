@@ -92,3 +92,13 @@ def test_a_store_that_is_down_answers_misses_at_once(tmp_path):
     assert first == second == [None] and written == [False]
     assert quick < 0.05, "a store known down must not cost another timeout"
     assert counters.num_fetch_errors == 2 and counters.num_write_failures == 1
+
+
+def test_blockd_reads_the_value_format_computed_writes() -> None:
+    # The daemons may not import each other, so each spells the store's value format.
+    from blockd import shared_store as reader
+    from computed import shared_store as writer
+
+    for name in ("PASSWORD_ENV", "KEY_PREFIX", "MAGIC", "VERSION", "HAS_PARENT", "SALTED"):
+        assert getattr(reader, name) == getattr(writer, name), name
+    assert reader.HEADER.format == writer.HEADER.format
