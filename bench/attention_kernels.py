@@ -7,8 +7,11 @@ kernel with K/V repeated per query head ("repeat"), and float32 batched matmuls 
 log-sum-exp ("matmul"); also a K/V gather from the pool by slots and by whole blocks,
 with glibc's default allocator thresholds and with computed's (`host_allocator`); and
 decode rows as a step runs them, 4 layers from cold caches: gather + "fold" against
-`computed.kernels`' native paged decode kernel, which reads the pool in place. The
-choices in `computed/attention.py` cite this table.
+`computed.kernels`' native paged decode kernel, which reads the pool in place; decode
+rows over a shared prefix, cascaded (the segment as one item) against flat (each row reads
+it in its own item), as `computed.attention` runs them; and the default model's linear
+layers through `F.linear` (MKL) against the native column-split `kvcache::linear`. The
+choices in `computed/attention.py` and `computed/model/layers.py` cite this table.
 """
 
 from __future__ import annotations
@@ -89,6 +92,65 @@ def main() -> None:
     )
 
     decode_rows()
+    cascade()
+    linear()
+
+
+def cascade(layers: int = 4) -> None:
+    """Decode rows sharing a prefix, through `paged_attention` as a step runs them: the
+    segment cascaded (threshold 0) against read flat by every row (threshold infinite)."""
+    from computed.attention import AttentionBatch, SpanInput, paged_attention
+    from computed.kv_pool import KVPool
+
+    pool = KVPool(layers, 8192, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    pool.kv.normal_()
+    print(f"decode rows over a shared prefix, {layers} layers: cascaded vs flat (ms, median of 11)")
+    for rows, shared, private in (
+        (8, 512, 200),
+        (8, 512, 1000),
+        (16, 512, 300),
+        (32, 1024, 100),
+        (64, 1024, 96),
+    ):
+        prefix = list(range(shared // BLOCK))
+        per = -(-(private + 1) // BLOCK)
+        spans = [
+            SpanInput(
+                prefix + list(range(len(prefix) + i * per, len(prefix) + (i + 1) * per)), shared + private, 1
+            )
+            for i in range(rows)
+        ]
+        q, kv = torch.randn(rows, HEADS, DIM), torch.randn(rows, KV_HEADS, DIM)
+        row = f"  {rows} rows x ({shared} shared + {private}):"
+        for name, threshold in (("cascaded", 0), ("flat", 1 << 62)):
+            batch = AttentionBatch.build(spans, BLOCK, "cpu", threshold)
+
+            def step(batch=batch, q=q, kv=kv) -> None:
+                for layer in range(layers):
+                    paged_attention(q, kv, kv, layer, batch, pool, DIM**-0.5)
+
+            times = sorted(timed(step, 3) for _ in range(11))
+            row += f" {name} {times[5]:.2f}"
+        print(row)
+
+
+def linear() -> None:
+    """The default model's linear layers (256 hidden, 688 MLP, 4,096 vocabulary)."""
+    import torch.nn.functional as F
+
+    from computed import kernels
+
+    op = kernels.linear()
+    print(
+        f"linear layers, x (M, K) W^T: F.linear vs native kvcache::linear ({kernels.error() or 'built'}) (ms)"
+    )
+    for m in (1, 8, 64, 512):
+        for n, k in ((256, 256), (128, 256), (688, 256), (256, 688), (4096, 256)):
+            x, w = torch.randn(m, k), torch.randn(n, k)
+            row = f"  {m} x {k} -> {n}: F.linear {timed(lambda x=x, w=w: F.linear(x, w), 50):.3f}"
+            if op is not None:
+                row += f", native {timed(lambda x=x, w=w: op(x, w, None), 50):.3f}"
+            print(row)
 
 
 def decode_rows(layers: int = 4) -> None:

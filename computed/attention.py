@@ -164,8 +164,15 @@ class AttentionBatch:
         return len(self.spans)
 
     @classmethod
-    def build(cls, spans: Sequence[SpanInput], block_size: int, device: torch.device | str) -> AttentionBatch:
-        """Lay out `spans` one after another as one flat batch; raises ValueError on bad input."""
+    def build(
+        cls,
+        spans: Sequence[SpanInput],
+        block_size: int,
+        device: torch.device | str,
+        min_decode_segment_reads: int = 0,
+    ) -> AttentionBatch:
+        """Lay out `spans` one after another as one flat batch; raises ValueError on bad input.
+        `min_decode_segment_reads`: see `plan_attention` and `decode_segment_min_reads`."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not spans:
@@ -193,7 +200,9 @@ class AttentionBatch:
         if len(np.unique(write_slots)) != len(write_slots):
             raise ValueError("two new tokens of the batch write the same pool slot")
 
-        plan: AttentionPlan = plan_attention(starts, lens, contexts, tables, block_size)
+        plan: AttentionPlan = plan_attention(
+            starts, lens, contexts, tables, block_size, min_decode_segment_reads
+        )
         tiles = tuple(Tile.from_plan(t, device) for t in plan.tiles)
         host_tables = torch.from_numpy(tables)
         return cls(
@@ -211,6 +220,20 @@ class AttentionBatch:
             shared_prefixes=plan.segments,
             merge_index=None if plan.merge_index is None else torch.from_numpy(plan.merge_index).to(device),
         )
+
+
+# A shared segment of decode rows only is cascaded when members x keys reach this, where the
+# native decode kernel runs: below it, each row reading the segment from cache in its own
+# item beats the segment's gather + flash + merge (`python -m bench.attention_kernels`,
+# cascade block, 4 layers: 8 rows x 512 shared keys 7.2 -> 5.5 ms flat, 16 x 512 6.3 ->
+# 5.3 ms; 32 x 1,024 8.7 ms cascaded vs 11.8 flat, 64 x 1,024 14.3 vs 22.0).
+DECODE_SEGMENT_MIN_READS = 16 * 1024
+
+
+def decode_segment_min_reads(device: torch.device, dtype: torch.dtype) -> int:
+    """What to pass `AttentionBatch.build` for a model running in `dtype` on `device`."""
+    native = device.type == "cpu" and dtype == torch.float32 and kernels.paged_decode() is not None
+    return DECODE_SEGMENT_MIN_READS if native else 0
 
 
 def paged_attention(

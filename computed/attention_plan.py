@@ -14,6 +14,11 @@ their log-sum-exp, so splitting a context changes nothing but float rounding.
   item, so its K/V is read once however many sequences share it. Segments nest: the
   tables form a trie (a system prompt shared by all, a document shared by some, ...),
   and every maximal run of blocks with the same set of members is one segment.
+  A segment read by decode rows only is worth its own item when it saves enough reads
+  (`min_decode_segment_reads`, members x keys): a decode row's private context runs a
+  kernel that reads keys straight from the pool, where a few rows re-reading a short
+  prefix (from cache) cost less than the segment's gather, kernel call and merge. A
+  dropped segment takes its nested segments with it (they would start after a gap).
 - *Private context*: the rest of a sequence's cached context, after its deepest segment.
 - *New tokens*: a sequence's new positions attend causally to each other (a square,
   top-left-aligned causal item: no mask). A single new token (a decode row) instead joins
@@ -139,15 +144,19 @@ def plan_attention(
     context_lens: Sequence[int],
     tables: np.ndarray,
     block_size: int,
+    min_decode_segment_reads: int = 0,
 ) -> AttentionPlan:
     """The tiles of one step. `tables` (S, N) int64 block ids (padding past a row's blocks
     is never read); span i's new queries are flat rows `query_starts[i] ...` at positions
-    `context_lens[i] - query_lens[i] ...`."""
+    `context_lens[i] - query_lens[i] ...`. A segment whose members are all decode rows is
+    kept only if members x keys >= `min_decode_segment_reads` (0: every segment)."""
     starts = np.asarray(query_starts, dtype=np.int64)
     lens = np.asarray(query_lens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
     firsts = contexts - lens
     segments = find_segments(tables, firsts // block_size)
+    if min_decode_segment_reads > 0:
+        segments = _worth_cascading(segments, lens, block_size, min_decode_segment_reads)
     covered = np.zeros(len(starts), dtype=np.int64)  # blocks of each span read through segments
     offsets = np.arange(block_size, dtype=np.int64)
     items: list[_Item] = []
@@ -170,6 +179,26 @@ def plan_attention(
         np.flatnonzero(decode), starts, contexts, covered, tables, block_size
     )
     return AttentionPlan(tiles, tuple(segments), _merge_index(tiles, int(lens.sum())))
+
+
+def _worth_cascading(
+    segments: list[Segment], lens: np.ndarray, block_size: int, min_decode_reads: int
+) -> list[Segment]:
+    """The segments kept, parents first. A segment with a prefill member is kept (its
+    rows run a fused kernel either way); a decode-only one needs `min_decode_reads`. A
+    nested segment is kept only under a kept parent, so each row's kept segments stay one
+    unbroken run from block 0 and its private context starts where they end."""
+    kept: list[Segment] = []
+    for seg in segments:  # sorted by first block: a parent comes before its children
+        members = set(seg.span_indices)
+        under_kept = seg.first_block == 0 or any(
+            p.first_block + p.num_blocks == seg.first_block and members <= set(p.span_indices) for p in kept
+        )
+        decode_only = bool((lens[list(seg.span_indices)] == 1).all())
+        reads = len(members) * seg.num_blocks * block_size
+        if under_kept and (not decode_only or reads >= min_decode_reads):
+            kept.append(seg)
+    return kept
 
 
 def _merge_index(tiles: tuple[TilePlan, ...], num_rows: int) -> np.ndarray | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from computed.attention import AttentionBatch, SpanInput
+from computed.attention import AttentionBatch, SpanInput, decode_segment_min_reads
 from computed.directory_ops import CopyPlan
 from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
@@ -51,6 +51,7 @@ class ModelRunner:
         self.shared = shared
         self.block_size = block_size
         self.device = device
+        self._min_decode_segment_reads = decode_segment_min_reads(device, pool.dtype)
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
 
@@ -124,7 +125,7 @@ class ModelRunner:
     def run(self, inp: ForwardInput) -> list[int | None]:
         """Returns, per chunk, the sampled token or None (a prefill chunk that ends early)."""
         input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)  # (T,)
-        batch = AttentionBatch.build(inp.spans, self.block_size, self.device)
+        batch = AttentionBatch.build(inp.spans, self.block_size, self.device, self._min_decode_segment_reads)
         hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
         out: list[int | None] = [None] * inp.num_chunks
         if not inp.sample_rows:

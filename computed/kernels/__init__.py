@@ -1,9 +1,10 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
-`paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (see paged_decode.cpp),
-or None where it cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
-`COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
-results up to float rounding. The build (about a minute on two cores) is cached under
+`paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp) and
+`linear()` the `torch.ops.kvcache.linear` op (linear.cpp), or None where they cannot be
+built (no C++ compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers
+then keep torch's own kernels, which give the same results (attention up to float
+rounding, linear bit for bit). The build (about a minute on two cores) is cached under
 torch's extensions directory (`TORCH_EXTENSIONS_DIR`); `make install` builds it ahead
 (`python -m computed.kernels`), so a daemon's start-up only loads it.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_decode.cpp", "linear.cpp"))
 ENV = "COMPUTED_CPU_KERNELS"
 
 
@@ -32,32 +33,38 @@ def has_compiler() -> bool:
 
 
 def paged_decode() -> Callable | None:
-    """The op, built or loaded once per process (the first call waits for it); None where it
-    cannot be had (`error()` says why)."""
-    return _loaded()[0]
+    """The paged decode op, built or loaded once per process (the first call waits for it);
+    None where it cannot be had (`error()` says why)."""
+    return torch.ops.kvcache.paged_decode if _loaded()[0] else None
+
+
+def linear() -> Callable | None:
+    """The column-split linear op (`linear(x, weight, bias)`, bit-identical to
+    `torch.nn.functional.linear` on CPU float32), or None as `paged_decode()`."""
+    return torch.ops.kvcache.linear if _loaded()[0] else None
 
 
 def error() -> str | None:
-    """Why `paged_decode()` is None (None when it loaded)."""
+    """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
 
 
 @functools.cache
-def _loaded() -> tuple[Callable | None, str | None]:
+def _loaded() -> tuple[bool, str | None]:
     return _load()
 
 
-def _load() -> tuple[Callable | None, str | None]:
+def _load() -> tuple[bool, str | None]:
     if not enabled():
-        return None, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "paged_decode"):
-        return torch.ops.kvcache.paged_decode, None
+        return False, f"{ENV}=0"
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "linear"):
+        return True, None
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="kvcache_paged_decode",
-            sources=[str(SOURCE)],
+            name="kvcache_cpu",
+            sources=[str(source) for source in SOURCES],
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the same libgomp);
             # -march=native: AVX2/AVX-512 for the dot products (built on the machine that runs it).
             extra_cflags=["-O3", "-fopenmp", "-march=native"],
@@ -66,5 +73,5 @@ def _load() -> tuple[Callable | None, str | None]:
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use torch's kernels
-        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-    return torch.ops.kvcache.paged_decode, None
+        return False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    return True, None

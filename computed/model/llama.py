@@ -14,7 +14,7 @@ from torch import nn
 from computed.attention import AttentionBatch, paged_attention
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
-from computed.model.layers import RMSNorm, SwiGLU
+from computed.model.layers import Linear, RMSNorm, SwiGLU
 from computed.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -29,10 +29,10 @@ class Attention(nn.Module):
         )
         self.scale = config.head_dim**-0.5
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         if config.has_qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -88,7 +88,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )

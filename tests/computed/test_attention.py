@@ -15,7 +15,7 @@ import torch
 
 from computed import attention, kernels
 from computed.attention import AttentionBatch, SpanInput, paged_attention
-from computed.attention_plan import find_segments
+from computed.attention_plan import find_segments, plan_attention
 from computed.kv_pool import KVPool
 
 CPU = torch.device("cpu")
@@ -71,9 +71,12 @@ def _dense(q, keys, values, heads: int, kv_heads: int, dim: int, cached, lengths
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("min_decode_segment_reads", [0, 40])
 @pytest.mark.parametrize("path", ["native", "fused-cpu", "matmul"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_steps_match_dense_attention(seed: int, path: str, monkeypatch) -> None:
+def test_random_steps_match_dense_attention(
+    seed: int, path: str, min_decode_segment_reads: int, monkeypatch
+) -> None:
     if path == "native":
         if not kernels.has_compiler():
             pytest.skip("needs a C++ compiler to build the native kernel")
@@ -92,7 +95,7 @@ def test_random_steps_match_dense_attention(seed: int, path: str, monkeypatch) -
     spans, tables, cached, lengths = _random_step(rng, block, rng.randint(1, 12))
     pool = KVPool(1, 400, block, kv_heads, dim, torch.float32, CPU)
     keys, values = _fill(pool, tables, cached, kv_heads, dim, gen)
-    batch = AttentionBatch.build(spans, block, CPU)
+    batch = AttentionBatch.build(spans, block, CPU, min_decode_segment_reads)
     k_new = torch.randn(batch.num_tokens, kv_heads, dim, generator=gen)
     v_new = torch.randn(batch.num_tokens, kv_heads, dim, generator=gen)
     q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
@@ -115,6 +118,37 @@ def test_nested_prefixes_become_nested_segments() -> None:
         ((0, 1, 2), 0, (1, 2)),
         ((0, 1), 2, (3,)),
     ]
+
+
+def _decode_spans(tables: list[list[int]], block: int) -> list[SpanInput]:
+    return [SpanInput(t, len(t) * block - 1, 1) for t in tables]
+
+
+def test_small_decode_only_segments_are_read_flat() -> None:
+    """Below the threshold a decode-only segment is no item of its own: each row's private
+    context starts at block 0 (fewer tiles); at or above it the segment stays."""
+    tables = [[1, 2, 10 + i] for i in range(3)]  # 3 rows x 2 shared blocks of 4 = 24 reads
+    flat = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, min_decode_segment_reads=25)
+    assert flat.shared_prefixes == ()
+    assert [t.num_keys for t in flat.tiles] == [12]
+    kept = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, min_decode_segment_reads=24)
+    assert [g.span_indices for g in kept.shared_prefixes] == [(0, 1, 2)]
+
+
+def test_a_prefill_member_keeps_its_segment() -> None:
+    spans = _decode_spans([[1, 2, 10], [1, 2, 11]], 4) + [SpanInput([1, 2, 12], 8, 3)]
+    batch = AttentionBatch.build(spans, 4, CPU, min_decode_segment_reads=10**6)
+    assert [g.span_indices for g in batch.shared_prefixes] == [(0, 1, 2)]
+
+
+def test_a_nested_segment_goes_with_its_dropped_parent() -> None:
+    """Rows 0-2 share block 1 (3 x 4 reads, dropped); rows 0-1 then share 6 more blocks (48
+    reads, enough alone): kept alone it would leave block 1 unread by rows 0 and 1."""
+    deep = [2, 3, 4, 5, 6, 7]
+    tables = [[1, *deep, 20], [1, *deep, 21], [1, 30, 31, 32, 33, 34, 35, 36]]
+    plan = plan_attention([0, 1, 2], [1, 1, 1], [31, 31, 31], np.array(tables), 4, 40)
+    assert plan.segments == ()
+    assert plan_attention([0, 1, 2], [1, 1, 1], [31, 31, 31], np.array(tables), 4, 12).segments != ()
 
 
 def test_segments_stop_before_unshareable_blocks() -> None:

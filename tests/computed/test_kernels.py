@@ -1,4 +1,5 @@
-"""The native paged decode kernel against dense attention, and its input checks."""
+"""The native CPU kernels: paged decode against dense attention, the column-split linear
+against torch's (bit for bit), and their input checks."""
 
 from __future__ import annotations
 
@@ -63,4 +64,47 @@ def test_bad_slots_are_refused(paged_decode, slots, lens, message: str) -> None:
 
 def test_disabled_by_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(kernels.ENV, "0")
-    assert kernels._load() == (None, f"{kernels.ENV}=0")
+    assert kernels._load() == (False, f"{kernels.ENV}=0")
+
+
+@pytest.fixture(scope="module")
+def linear():
+    op = kernels.linear()
+    assert op is not None, f"the native kernels did not build here: {kernels.error()}"
+    return op
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(4096, 256), (2100, 64), (688, 256), (100, 64)])
+def test_linear_is_bit_identical_to_torch(linear, threads, rows, out_features, in_features) -> None:
+    """A column split leaves every output element the same dot product: equal, not close."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    bias = torch.randn(out_features, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(linear(x, weight, None), torch.nn.functional.linear(x, weight))
+        assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+        with torch.inference_mode():  # as the model runs it: the worker threads must inherit the mode
+            assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("x", "weight", "bias", "message"),
+    [
+        (torch.zeros(2, 8), torch.zeros(4, 7), None, "x has 8 columns, weight 7"),
+        (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), None, "float32"),
+        (torch.zeros(8, 2).t(), torch.zeros(4, 8), None, "contiguous"),
+        (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(3), r"bias must be float32 of shape \(4,\)"),
+    ],
+)
+def test_linear_refuses_bad_inputs(linear, x, weight, bias, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        linear(x, weight, bias)
