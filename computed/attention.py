@@ -85,7 +85,7 @@ class SequenceSpan:
     query_start: int  # index of the first new token in the flat batch
     query_len: int
     context_len: int  # tokens visible after this step, new ones included
-    block_table: torch.Tensor  # (ceil(context_len / block_size),) int64 block ids (host)
+    block_table: np.ndarray  # (ceil(context_len / block_size),) int64 block ids (host)
 
 
 @dataclass(frozen=True)
@@ -204,15 +204,16 @@ class AttentionBatch:
             starts, lens, contexts, tables, block_size, min_decode_segment_reads
         )
         tiles = tuple(Tile.from_plan(t, device) for t in plan.tiles)
-        host_tables = torch.from_numpy(tables)
         return cls(
             block_size=block_size,
             positions=torch.from_numpy(positions).to(device),
             write_slots=torch.from_numpy(write_slots).to(device),
             write_token_index=torch.from_numpy(write_index.astype(np.int64)).to(device),
             spans=tuple(
-                SequenceSpan(int(starts[i]), int(lens[i]), int(contexts[i]), host_tables[i, : num_blocks[i]])
-                for i in range(len(spans))
+                SequenceSpan(start, length, context, tables[i, :blocks])
+                for i, (start, length, context, blocks) in enumerate(
+                    zip(starts.tolist(), lens.tolist(), contexts.tolist(), num_blocks.tolist())
+                )
             ),
             last_token_index=torch.from_numpy(starts + lens - 1).to(device),
             max_position=int(contexts.max()) - 1,
@@ -383,7 +384,7 @@ def _check_span(span: SpanInput, block_size: int) -> None:
         raise ValueError(
             f"block table of {len(span.block_table)} blocks of {block_size} cannot hold {context_len} tokens"
         )
-    if any(block < 0 for block in span.block_table):
+    if len(span.block_table) and min(span.block_table) < 0:
         raise ValueError(f"negative block id in {list(span.block_table)}")
     if not isinstance(span.write_kv, bool) and len(span.write_kv) != span.num_new_tokens:
         raise ValueError(f"write_kv has {len(span.write_kv)} flags for {span.num_new_tokens} new tokens")

@@ -154,7 +154,12 @@ def plan_attention(
     lens = np.asarray(query_lens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
     firsts = contexts - lens
-    segments = find_segments(tables, firsts // block_size)
+    shareable = firsts // block_size
+    # Decode rows only, too few for any segment to reach the threshold: skip the search.
+    too_few = (
+        bool((lens == 1).all()) and len(lens) * int(shareable.max()) * block_size < min_decode_segment_reads
+    )
+    segments = [] if too_few else find_segments(tables, shareable)
     if min_decode_segment_reads > 0:
         segments = _worth_cascading(segments, lens, block_size, min_decode_segment_reads)
     covered = np.zeros(len(starts), dtype=np.int64)  # blocks of each span read through segments
