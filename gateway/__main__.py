@@ -104,6 +104,26 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="blockd's route token (blockd --route-token) [env GATEWAY_ROUTE_TOKEN]",
     )
     p.add_argument(
+        "--mirror",
+        action=argparse.BooleanOptionalAction,
+        default=_env("GATEWAY_MIRROR", "1") not in ("0", "false", "no", "off"),
+        help="route from a mirror of blockd's block index fed by its event stream (no Route call "
+        "per request; Route serves while the mirror is out of sync) [env GATEWAY_MIRROR=0|1]",
+    )
+    p.add_argument(
+        "--mirror-max-blocks",
+        type=int,
+        default=int(_env("GATEWAY_MIRROR_MAX_BLOCKS", "4000000")),
+        help="most block hashes the mirror holds (~100 bytes each); above, Route serves "
+        "[env GATEWAY_MIRROR_MAX_BLOCKS]",
+    )
+    p.add_argument(
+        "--blockd-admin-token",
+        default=_env("GATEWAY_BLOCKD_ADMIN_TOKEN"),
+        help="blockd's admin token (blockd --admin-token), for the mirror's ListPools, ListBlocks, "
+        "GetStats and WatchEvents [env GATEWAY_BLOCKD_ADMIN_TOKEN]",
+    )
+    p.add_argument(
         "--ready-file",
         default=_env("GATEWAY_READY_FILE"),
         help="write the bound HOST:PORT here once serving [env GATEWAY_READY_FILE]",
@@ -154,6 +174,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             request_timeout=a.request_timeout,
             route_timeout=a.route_timeout,
             route_token=a.route_token,
+            mirror=a.mirror,
+            mirror_max_blocks=a.mirror_max_blocks,
+            blockd_admin_token=a.blockd_admin_token,
             ready_file=a.ready_file,
             log_format=a.log_format,
             drain_seconds=a.drain_seconds,

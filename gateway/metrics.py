@@ -42,3 +42,21 @@ TOKENIZED = Counter(
     ["where"],
     registry=REGISTRY,
 )
+ROUTE_SOURCE = Counter(
+    "gateway_route_answers",
+    "Where a routed request's cached-prefix facts came from: mirror (the gateway's mirror of "
+    "blockd's index, fed by its event stream) or route (blockd's Route RPC, while the mirror is "
+    "out of sync or does not know a worker)",
+    ["source"],
+    registry=REGISTRY,
+)
+MIRROR_SYNCED = Gauge(
+    "gateway_directory_mirror_synced",
+    "1 while the directory mirror follows blockd's events",
+    registry=REGISTRY,
+)
+MIRROR_BLOCKS = Gauge(
+    "gateway_directory_mirror_blocks",
+    "Block hashes the directory mirror holds (all pools, tiers)",
+    registry=REGISTRY,
+)
