@@ -73,8 +73,9 @@ class MirrorFeed:
         self._metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
         self._timeout = timeout
         self._task: asyncio.Task | None = None
-        self._refused_logged = False
+        self.refused = False  # blockd refused the admin calls (last attempt)
         self.num_syncs = 0
+        self._warned = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mirror-feed")
@@ -98,14 +99,15 @@ class MirrorFeed:
             except grpc.RpcError as error:
                 code = error.code()
                 self._out_of_sync(f"blockd: {code.name}")
-                if code in _REFUSED:
-                    if not self._refused_logged:
+                self.refused = code in _REFUSED
+                if self.refused:
+                    if not self._warned:
                         log.warning(
                             "blockd refuses the directory mirror's admin calls; routing asks Route "
                             "(give --blockd-admin-token)",
                             code=code.name,
                         )
-                        self._refused_logged = True
+                        self._warned = True
                     delay = REFUSED_RETRY_SECONDS
                 else:
                     delay = backoff if self.num_syncs == syncs else MIN_BACKOFF_SECONDS
@@ -161,6 +163,7 @@ class MirrorFeed:
         after = stats.last_event_sequence
         self.mirror.load(after, self._describe(pools), blocks, _lower_tiers_partial(pools))
         self.num_syncs += 1
+        self.refused = False
         self._publish()
         log.info(
             "directory mirror synced",
