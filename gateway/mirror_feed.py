@@ -76,6 +76,7 @@ class MirrorFeed:
         self.refused = False  # blockd refused the admin calls (last attempt)
         self.num_syncs = 0
         self._warned = False
+        self._last_why = ""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="mirror-feed")
@@ -111,18 +112,25 @@ class MirrorFeed:
                     delay = REFUSED_RETRY_SECONDS
                 else:
                     delay = backoff if self.num_syncs == syncs else MIN_BACKOFF_SECONDS
-                    log.info("directory mirror lost blockd", code=code.name, retry_in=delay)
             except (_Stalled, _Unsupported) as error:
                 self._out_of_sync(str(error))
                 delay = OVERFLOW_RETRY_SECONDS if isinstance(error, _Unsupported) else MIN_BACKOFF_SECONDS
+            except Exception as error:  # a bug must not leave a mirror that looks in sync but follows nothing
+                log.exception("directory mirror failed")
+                self._out_of_sync(f"{type(error).__name__}: {error}")
+                delay = OVERFLOW_RETRY_SECONDS
             finally:
                 follow.cancel()
-                with contextlib.suppress(BaseException):
-                    await follow
+                # wait() never raises the task's error (the except clauses had it) and, unlike
+                # awaiting the task, lets a cancel of this loop itself through
+                await asyncio.wait({follow})
+                if not follow.cancelled():
+                    follow.exception()
             if "max_blocks" in self.mirror.why_out_of_sync:
                 delay = OVERFLOW_RETRY_SECONDS
-            if self.mirror.why_out_of_sync:
+            if self.mirror.why_out_of_sync and self.mirror.why_out_of_sync != self._last_why:
                 log.info("directory mirror out of sync", why=self.mirror.why_out_of_sync, resync_in=delay)
+            self._last_why = self.mirror.why_out_of_sync
             backoff = MIN_BACKOFF_SECONDS if self.num_syncs > syncs else min(2 * backoff, MAX_BACKOFF_SECONDS)
             await asyncio.sleep(delay)
 
