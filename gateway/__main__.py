@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument(
         "--blockd",
         default=_env("GATEWAY_BLOCKD", "127.0.0.1:50051"),
-        help="blockd address for Route; '' for none (least-loaded only) [env GATEWAY_BLOCKD]",
+        help="blockd address (its event stream for the directory mirror, and Route); '' for none "
+        "(least-loaded only) [env GATEWAY_BLOCKD]",
     )
     p.add_argument(
         "--computed",
@@ -65,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--routing",
         choices=ROUTING_MODES,
         default=_env("GATEWAY_ROUTING", "cache-aware"),
-        help="cache-aware: blockd's Route; round-robin: never ask blockd [env GATEWAY_ROUTING]",
+        help="cache-aware and prefix: weigh what each worker caches (directory mirror, else blockd's "
+        "Route); least-loaded, round-robin: never ask blockd [env GATEWAY_ROUTING]",
     )
     p.add_argument(
         "--api-keys-file",

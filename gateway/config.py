@@ -19,9 +19,10 @@ class GatewayConfig:
     # None: no blockd, every request goes to the least-loaded worker of its model.
     blockd: str | None = "127.0.0.1:50051"
     computed: tuple[str, ...] = ("127.0.0.1:50052",)
-    # A policy of gateway.routing. cache-aware: blockd's Route says what each worker caches,
-    # the queue each one has says what waiting there costs (least-loaded when Route cannot
-    # answer); prefix: cache affinity only; least-loaded, round-robin: never ask blockd.
+    # A policy of gateway.routing. cache-aware: the directory mirror (else blockd's Route) says
+    # what each worker caches, the queue each one has says what waiting there costs
+    # (least-loaded when neither can answer); prefix: cache affinity only; least-loaded,
+    # round-robin: never ask blockd.
     routing: str = "cache-aware"
     # API key -> tenant; empty: open (every caller shares one cache, said at start-up).
     api_keys: Mapping[str, str] = field(default_factory=dict)

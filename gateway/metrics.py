@@ -20,7 +20,8 @@ TOKENS = Counter(
 )
 ROUTING = Counter(
     "gateway_routing_decisions",
-    "Where requests went: routed (blockd's Route), least_loaded (fallback or single worker), round_robin",
+    "Where requests went: routed (to the longest cached prefix), spilled (load sent it to a worker "
+    "caching less), least_loaded (fallback or single worker), round_robin",
     ["decision"],
     registry=REGISTRY,
 )
