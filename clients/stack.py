@@ -163,6 +163,8 @@ class Stack:
             bound = [self._wait_serving(spec, timeout) for spec in specs]
             if gateway:
                 routed = ("--blockd", blockd_address, "--computed", ",".join(bound))
+                if admin_token:  # the gateway's directory mirror reads blockd's events (admin calls)
+                    routed = (*routed, "--blockd-admin-token", admin_token)
                 gateway_spec = DaemonSpec("gateway", "gateway", gateway, (*routed, *gateway_args))
                 self._start(gateway_spec)
                 started.append(gateway_spec)

@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument(
         "--blockd",
         default=_env("GATEWAY_BLOCKD", "127.0.0.1:50051"),
-        help="blockd address for Route; '' for none (least-loaded only) [env GATEWAY_BLOCKD]",
+        help="blockd address (its event stream for the directory mirror, and Route); '' for none "
+        "(least-loaded only) [env GATEWAY_BLOCKD]",
     )
     p.add_argument(
         "--computed",
@@ -65,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--routing",
         choices=ROUTING_MODES,
         default=_env("GATEWAY_ROUTING", "cache-aware"),
-        help="cache-aware: blockd's Route; round-robin: never ask blockd [env GATEWAY_ROUTING]",
+        help="cache-aware and prefix: weigh what each worker caches (directory mirror, else blockd's "
+        "Route); least-loaded, round-robin: never ask blockd [env GATEWAY_ROUTING]",
     )
     p.add_argument(
         "--api-keys-file",
@@ -102,6 +104,26 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--route-token",
         default=_env("GATEWAY_ROUTE_TOKEN"),
         help="blockd's route token (blockd --route-token) [env GATEWAY_ROUTE_TOKEN]",
+    )
+    p.add_argument(
+        "--mirror",
+        action=argparse.BooleanOptionalAction,
+        default=_env("GATEWAY_MIRROR", "1") not in ("0", "false", "no", "off"),
+        help="route from a mirror of blockd's block index fed by its event stream (no Route call "
+        "per request; Route serves while the mirror is out of sync) [env GATEWAY_MIRROR=0|1]",
+    )
+    p.add_argument(
+        "--mirror-max-blocks",
+        type=int,
+        default=int(_env("GATEWAY_MIRROR_MAX_BLOCKS", "4000000")),
+        help="most block hashes the mirror holds (~100 bytes each); above, Route serves "
+        "[env GATEWAY_MIRROR_MAX_BLOCKS]",
+    )
+    p.add_argument(
+        "--blockd-admin-token",
+        default=_env("GATEWAY_BLOCKD_ADMIN_TOKEN"),
+        help="blockd's admin token (blockd --admin-token), for the mirror's ListPools, ListBlocks, "
+        "GetStats and WatchEvents [env GATEWAY_BLOCKD_ADMIN_TOKEN]",
     )
     p.add_argument(
         "--ready-file",
@@ -154,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             request_timeout=a.request_timeout,
             route_timeout=a.route_timeout,
             route_token=a.route_token,
+            mirror=a.mirror,
+            mirror_max_blocks=a.mirror_max_blocks,
+            blockd_admin_token=a.blockd_admin_token,
             ready_file=a.ready_file,
             log_format=a.log_format,
             drain_seconds=a.drain_seconds,

@@ -19,9 +19,10 @@ class GatewayConfig:
     # None: no blockd, every request goes to the least-loaded worker of its model.
     blockd: str | None = "127.0.0.1:50051"
     computed: tuple[str, ...] = ("127.0.0.1:50052",)
-    # A policy of gateway.routing. cache-aware: blockd's Route says what each worker caches,
-    # the queue each one has says what waiting there costs (least-loaded when Route cannot
-    # answer); prefix: cache affinity only; least-loaded, round-robin: never ask blockd.
+    # A policy of gateway.routing. cache-aware: the directory mirror (else blockd's Route) says
+    # what each worker caches, the queue each one has says what waiting there costs
+    # (least-loaded when neither can answer); prefix: cache affinity only; least-loaded,
+    # round-robin: never ask blockd.
     routing: str = "cache-aware"
     # API key -> tenant; empty: open (every caller shares one cache, said at start-up).
     api_keys: Mapping[str, str] = field(default_factory=dict)
@@ -35,6 +36,15 @@ class GatewayConfig:
     route_timeout: float = 1.0
     # blockd's route token (blockd --route-token), sent on Route.
     route_token: str | None = None
+    # The directory mirror (gateway.mirror): blockd's block index kept here from its event
+    # stream, so a routed request needs no Route round trip (Route serves while it is out of
+    # sync). Off: every routed request asks Route.
+    mirror: bool = True
+    # The most block hashes the mirror holds (about 100 bytes each); above it, Route serves.
+    mirror_max_blocks: int = 4_000_000
+    # blockd's admin token (blockd --admin-token): the mirror's calls (ListPools, ListBlocks,
+    # GetStats, WatchEvents) are admin calls.
+    blockd_admin_token: str | None = None
     ready_file: str | None = None
     log_format: str = "auto"
     # SIGTERM: stop accepting, let running requests finish this long.
@@ -65,6 +75,8 @@ class GatewayConfig:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.public_prefix_tokens < 0:
             raise ValueError("--public-prefix-tokens must be >= 0")
+        if self.mirror_max_blocks < 1:
+            raise ValueError("--mirror-max-blocks must be >= 1")
         if self.max_inflight_per_worker < 1:
             raise ValueError("--max-inflight-per-worker must be >= 1")
         if self.request_timeout <= 0 or self.route_timeout <= 0 or self.drain_seconds < 0:

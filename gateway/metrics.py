@@ -20,7 +20,8 @@ TOKENS = Counter(
 )
 ROUTING = Counter(
     "gateway_routing_decisions",
-    "Where requests went: routed (blockd's Route), least_loaded (fallback or single worker), round_robin",
+    "Where requests went: routed (to the longest cached prefix), spilled (load sent it to a worker "
+    "caching less), least_loaded (fallback or single worker), round_robin",
     ["decision"],
     registry=REGISTRY,
 )
@@ -40,5 +41,23 @@ TOKENIZED = Counter(
     "gateway_tokenizations",
     "Prompts tokenized to route them: local (--tokenizer) or worker (its Tokenize, after local declined)",
     ["where"],
+    registry=REGISTRY,
+)
+ROUTE_SOURCE = Counter(
+    "gateway_route_answers",
+    "Where a routed request's cached-prefix facts came from: mirror (the gateway's mirror of "
+    "blockd's index, fed by its event stream) or route (blockd's Route RPC, while the mirror is "
+    "out of sync or does not know a worker)",
+    ["source"],
+    registry=REGISTRY,
+)
+MIRROR_SYNCED = Gauge(
+    "gateway_directory_mirror_synced",
+    "1 while the directory mirror follows blockd's events",
+    registry=REGISTRY,
+)
+MIRROR_BLOCKS = Gauge(
+    "gateway_directory_mirror_blocks",
+    "Block hashes the directory mirror holds (all pools, tiers)",
     registry=REGISTRY,
 )

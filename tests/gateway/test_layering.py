@@ -7,7 +7,8 @@ import ast
 from tests.daemons import REPO
 
 FORBIDDEN = ("blockd", "computed", "tests", "bench")
-PURE = ("schema", "errors", "responses", "tenants", "config", "routing")  # no I/O: validation and mapping
+# no I/O: validation, mapping, policies, the directory mirror and its hashing
+PURE = ("schema", "errors", "responses", "tenants", "config", "routing", "mirror", "prefix_hash")
 
 
 def _imports(path) -> set[str]:
@@ -32,3 +33,10 @@ def test_pure_modules_do_no_io() -> None:
     for name in PURE:
         imported = _imports(REPO / "gateway" / f"{name}.py")
         assert not [n for n in imported if n.startswith(io)], f"gateway/{name}.py does I/O"
+
+
+def test_routing_cores_import_no_grpc_and_no_contract() -> None:
+    """The policies and the directory mirror are plain data structures: no gRPC, no generated code."""
+    for name in ("routing", "mirror", "prefix_hash"):
+        imported = _imports(REPO / "gateway" / f"{name}.py")
+        assert not [n for n in imported if n.split(".")[0] in ("grpc", "kvcache")], f"gateway/{name}.py"

@@ -27,7 +27,10 @@ def _block(language: str) -> str:
 def test_make_up_starts_the_gateway_and_the_readme_examples_work(tmp_path: Path) -> None:
     stack = Stack(tmp_path / "run")
     gateway = f"127.0.0.1:{free_port()}"
-    states = stack.up(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], gateway=gateway)
+    # with blockd's admin token, which the gateway's directory mirror needs (its calls are admin ones)
+    states = stack.up(
+        f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"], gateway=gateway, admin_token="s3cret"
+    )
     try:
         assert [s.name for s in states] == [
             "blockd",
@@ -46,7 +49,9 @@ def test_make_up_starts_the_gateway_and_the_readme_examples_work(tmp_path: Path)
         )
         assert done.returncode == 0, done.stderr
         assert "cached prompt tokens: " in done.stdout and "prompt_tokens_details" in done.stdout
-        assert "running OPEN" in (tmp_path / "run" / "gateway.log").read_text()
+        log = (tmp_path / "run" / "gateway.log").read_text()
+        assert "running OPEN" in log
+        assert "directory mirror synced" in log and "refuses" not in log
     finally:
         stopped = stack.down()
     assert stopped[0] == "gateway" and stopped[-2:] == ["blockd", "valkey"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 
@@ -52,23 +53,71 @@ def test_public_prefix_is_shared_and_the_rest_is_not(gw: GatewayStack, open_gate
     assert _cached(two, prompt) > 32  # its own private blocks now
 
 
-def _routed(address: str) -> float:
+def _metric(address: str, name: str) -> float:
     for line in http(address, "GET", "/metrics")[2].splitlines():
-        if line.startswith('gateway_routing_decisions_total{decision="routed"}'):
+        if line.startswith(name + " ") or line.startswith(name + "{") and line.split()[0] == name:
             return float(line.split()[-1])
     return 0.0
 
 
+def _routed(address: str) -> float:
+    return _metric(address, 'gateway_routing_decisions_total{decision="routed"}')
+
+
+def _answers(address: str) -> tuple[float, float]:
+    """(routed requests the directory mirror answered, those blockd's Route answered)."""
+    return (
+        _metric(address, 'gateway_route_answers_total{source="mirror"}'),
+        _metric(address, 'gateway_route_answers_total{source="route"}'),
+    )
+
+
+def _wait_mirror_synced(address: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _metric(address, "gateway_directory_mirror_synced") != 1.0:
+        assert time.monotonic() < deadline, "the gateway's directory mirror never synced"
+        time.sleep(0.05)
+
+
 def test_every_repeat_hits_across_two_workers(gw: GatewayStack) -> None:
-    """Three prompt families over two workers: round robin would send each repeat to the other worker."""
+    """Three prompt families over two workers: round robin would send each repeat to the
+    other worker. The gateway's mirror of blockd's index places every one (no Route call)."""
+    _wait_mirror_synced(gw.gateway.address)
     client = gw.client()
-    before = _routed(gw.gateway.address)
+    before, (mirror, route) = _routed(gw.gateway.address), _answers(gw.gateway.address)
     prompts = [unique_prompt(f"family {i}") for i in range(3)]
     for prompt in prompts:
         _cached(client, prompt)
     for prompt in prompts:
         assert _cached(client, prompt) >= 32
-    assert _routed(gw.gateway.address) == before + 6  # every one placed by blockd's Route
+    assert _routed(gw.gateway.address) == before + 6
+    assert _answers(gw.gateway.address) == (mirror + 6, route)
+
+
+def test_without_the_mirror_route_places_every_request(gw: GatewayStack, open_gateway) -> None:
+    gateway = open_gateway([w.address for w in gw.workers], "--no-mirror", blockd=gw.blockd.address)
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="-", max_retries=0)
+    prompts = [unique_prompt(f"no mirror {i}") for i in range(2)]
+    for prompt in prompts + prompts:
+        _cached(client, prompt)
+    assert [_cached(client, p) >= 32 for p in prompts] == [True, True]
+    assert _answers(gateway.address) == (0.0, 6.0)
+    assert _metric(gateway.address, "gateway_directory_mirror_synced") == 0.0
+
+
+def test_the_mirror_places_each_tenant_by_its_own_blocks(gw: GatewayStack) -> None:
+    """The mirror places both tenants' requests: A's repeat finds A's blocks, B's first request
+    (the same text) none of them, B's repeat its own. (What the mirror counts for each salt is
+    compared with blockd's Route in test_mirror.py.)"""
+    _wait_mirror_synced(gw.gateway.address)
+    a, b = gw.client(KEY_A), gw.client(KEY_B)
+    prompt = unique_prompt("tenant placement")
+    mirror, route = _answers(gw.gateway.address)
+    assert _cached(a, prompt) == 0
+    assert _cached(a, prompt) > 0
+    assert _cached(b, prompt) == 0
+    assert _cached(b, prompt) > 0
+    assert _answers(gw.gateway.address) == (mirror + 4, route)
 
 
 def test_without_blockd_it_serves_least_loaded(gw: GatewayStack, open_gateway) -> None:

@@ -238,6 +238,16 @@ def test_parse_args_builds_the_config(tmp_path, monkeypatch) -> None:
     assert dict(config.api_keys) == {"k": "t", "e": "u"}
 
 
+def test_the_directory_mirror_is_on_unless_turned_off(monkeypatch) -> None:
+    monkeypatch.delenv("GATEWAY_MIRROR", raising=False)
+    assert parse_args([]).mirror and parse_args([]).blockd_admin_token is None
+    assert not parse_args(["--no-mirror"]).mirror
+    config = parse_args(["--mirror-max-blocks", "10", "--blockd-admin-token", "t"])
+    assert (config.mirror_max_blocks, config.blockd_admin_token) == (10, "t")
+    monkeypatch.setenv("GATEWAY_MIRROR", "0")
+    assert not parse_args([]).mirror and parse_args(["--mirror"]).mirror
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -246,6 +256,7 @@ def test_parse_args_builds_the_config(tmp_path, monkeypatch) -> None:
         {"routing": "random"},
         {"max_inflight_per_worker": 0},
         {"computed": ("http://a:1",)},
+        {"mirror_max_blocks": 0},
     ],
 )
 def test_config_refuses_bad_values(kwargs) -> None:
