@@ -10,25 +10,19 @@ from computed import kernels
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) whose product runs `linear()` below."""
+    """`nn.Linear` (same parameters and names) whose CPU float32 product runs
+    `kvcache::linear` where the native kernels loaded: a wide output (the vocabulary
+    projection) split by columns across torch's threads, every element bit-identical to
+    `F.linear`'s, where MKL leaves a decode step's short product on about one core (`python
+    -m bench.attention_kernels`, linear block: 8 x 256 -> 4,096 1.26 -> 0.69 ms). Elsewhere,
+    and for narrower outputs, it is `F.linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T + bias, as `F.linear`, bit for bit.
-
-    On CPU float32 it runs `kvcache::linear` where the native kernels loaded: a wide output
-    (the vocabulary projection) split by columns across torch's threads, where MKL leaves a
-    decode step's short product on about one core (`python -m bench.attention_kernels`,
-    linear block: 8 x 256 -> 4,096 1.26 -> 0.69 ms). Narrower outputs go to MKL whole.
-    """
-    if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
-        op = kernels.linear()
-        if op is not None and weight.dtype == torch.float32 and weight.is_contiguous():
-            return op(x, weight, bias)
-    return F.linear(x, weight, bias)
+        if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            op = kernels.linear()
+            if op is not None and self.weight.dtype == torch.float32 and self.weight.is_contiguous():
+                return op(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from computed.attention import AttentionBatch, paged_attention
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
-from computed.model.layers import Linear, RMSNorm, SwiGLU, linear
+from computed.model.layers import Linear, RMSNorm, SwiGLU
 from computed.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -36,51 +36,17 @@ class Attention(nn.Module):
         if config.has_qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        # Set by `fuse_qkv` (plain tensors, not parameters: the state dict keeps HF's names).
-        self.qkv_weight: torch.Tensor | None = None  # ((H + 2 Hkv) * D, hidden)
-        self.qkv_bias: torch.Tensor | None = None
-
-    def fuse_qkv(self) -> None:
-        """One product for q, k and v instead of three, and one rotary call for q and k.
-
-        The fused matrix stacks q_proj's, k_proj's and v_proj's rows; their parameters are
-        rebound to views of it, so there is one copy and in-place updates reach both. Each
-        output element is the same MKL dot product as unfused (a column split; bit-identical,
-        tests/computed/test_model.py). Call once the weights are final: a later
-        `load_state_dict(assign=True)` must be followed by another `fuse_qkv()`.
-        """
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        weight = torch.cat([p.weight.detach() for p in projections])
-        bias = None if self.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
-        start = 0
-        for p in projections:
-            rows = slice(start, start + p.out_features)
-            p.weight = nn.Parameter(weight[rows], requires_grad=False)
-            if bias is not None:
-                p.bias = nn.Parameter(bias[rows], requires_grad=False)
-            start = rows.stop
-        self.qkv_weight, self.qkv_bias = weight, bias
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
     ) -> torch.Tensor:
-        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        if self.qkv_weight is None:
-            q = self.q_proj(x).view(num_tokens, heads, self.head_dim)  # (T, H, D)
-            k = self.k_proj(x).view(num_tokens, kv_heads, self.head_dim)  # (T, Hkv, D)
-            v = self.v_proj(x).view(num_tokens, kv_heads, self.head_dim)  # (T, Hkv, D)
-        else:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(
-                num_tokens, heads + 2 * kv_heads, self.head_dim
-            )
-            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]  # views
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.qkv_weight is not None and not hasattr(self, "q_norm"):  # q, k adjacent: rotate at once
-            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # (T, H + Hkv, D)
-            q, k = qk[:, :heads], qk[:, heads:]
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -127,11 +93,6 @@ class CausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
         self.tie_weights()
-
-    def fuse_projections(self) -> None:
-        """Fuse each layer's q/k/v projections (`Attention.fuse_qkv`); the loader calls it."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_qkv()
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output head when the config says so."""

@@ -65,7 +65,6 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the embedding; point the head at the new one
-    model.fuse_projections()
     model.requires_grad_(False).eval()
     return LoadedModel(
         model=model,
