@@ -14,11 +14,14 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+def _built(op):
+    assert op is not None, f"the native kernels did not build here: {kernels.error()}"
+    return op
+
+
 @pytest.fixture(scope="module")
 def paged_decode():
-    op = kernels.paged_decode()
-    assert op is not None, f"the native decode kernel did not build here: {kernels.error()}"
-    return op
+    return _built(kernels.paged_decode())
 
 
 @needs_compiler
@@ -69,9 +72,7 @@ def test_disabled_by_the_environment(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def linear():
-    op = kernels.linear()
-    assert op is not None, f"the native kernels did not build here: {kernels.error()}"
-    return op
+    return _built(kernels.linear())
 
 
 @needs_compiler
