@@ -94,6 +94,7 @@ def main() -> None:
     decode_rows()
     cascade()
     linear()
+    rotary()
 
 
 def cascade(layers: int = 4) -> None:
@@ -151,6 +152,28 @@ def linear() -> None:
             if op is not None:
                 row += f", native {timed(lambda x=x, w=w: op(x, w, None), 50):.3f}"
             print(row)
+
+
+def rotary() -> None:
+    """Rotary embedding of q (T, 8, 32) and k (T, 4, 32): torch ops against kvcache::rotary."""
+    from computed import kernels
+    from computed.model.rope import RotaryEmbedding, apply_rotary
+
+    op = kernels.rotary()
+    table = RotaryEmbedding(DIM, 10000.0, 8192)
+    print(f"rotary, q and k: torch ops vs native kvcache::rotary ({kernels.error() or 'built'}) (ms)")
+    for tokens in (8, 64, 4352):
+        q, k = torch.randn(tokens, HEADS, DIM), torch.randn(tokens, KV_HEADS, DIM)
+        cos, sin = table.cos_sin(torch.arange(tokens), tokens - 1, torch.float32)
+        args = (q, k, cos, sin)
+
+        def torch_ops(q=q, k=k, cos=cos, sin=sin) -> None:
+            apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        row = f"  {tokens} tokens: torch {timed(torch_ops, 50):.3f}"
+        if op is not None:
+            row += f", native {timed(lambda args=args: op(*args), 50):.3f}"
+        print(row)
 
 
 def decode_rows(layers: int = 4) -> None:

@@ -1,10 +1,11 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
-`paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp) and
-`linear()` the `torch.ops.kvcache.linear` op (linear.cpp), or None where they cannot be
-built (no C++ compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers
-then keep torch's own kernels, which give the same results (attention up to float
-rounding, linear bit for bit). The build (about a minute on two cores) is cached under
+`paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
+`linear()` the `torch.ops.kvcache.linear` op (linear.cpp) and `rotary()` the
+`torch.ops.kvcache.rotary` op (rotary.cpp), or None where they cannot be built (no C++
+compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers then keep
+torch's own kernels, which give the same results (attention up to float rounding, linear
+and rotary bit for bit). The build (about a minute on two cores) is cached under
 torch's extensions directory (`TORCH_EXTENSIONS_DIR`); `make install` builds it ahead
 (`python -m computed.kernels`), so a daemon's start-up only loads it.
 """
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("paged_decode.cpp", "linear.cpp"))
+SOURCES = tuple(
+    Path(__file__).resolve().parent / name for name in ("paged_decode.cpp", "linear.cpp", "rotary.cpp")
+)
 ENV = "COMPUTED_CPU_KERNELS"
 
 
@@ -44,6 +47,12 @@ def linear() -> Callable | None:
     return torch.ops.kvcache.linear if _loaded()[0] else None
 
 
+def rotary() -> Callable | None:
+    """The rotary op (`rotary(q, k, cos, sin) -> (q, k)`, bit-identical to
+    `computed.model.rope.apply_rotary` on CPU float32), or None as `paged_decode()`."""
+    return torch.ops.kvcache.rotary if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -57,7 +66,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "linear"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "rotary"):
         return True, None
     try:
         from torch.utils import cpp_extension

@@ -12,7 +12,7 @@ def main() -> int:
     if op is None:
         print(f"native CPU kernels unavailable ({kernels.error()}); computed uses torch's kernels")
         return 0
-    print("native CPU kernels ready: kvcache::paged_decode, kvcache::linear")
+    print("native CPU kernels ready: kvcache::paged_decode, kvcache::linear, kvcache::rotary")
     return 0
 
 

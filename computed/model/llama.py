@@ -15,7 +15,7 @@ from computed.attention import AttentionBatch, paged_attention
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
 from computed.model.layers import Linear, RMSNorm, SwiGLU
-from computed.model.rope import RotaryEmbedding, apply_rotary
+from computed.model.rope import RotaryEmbedding, apply_rotary_qk
 
 
 class Attention(nn.Module):
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

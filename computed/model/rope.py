@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from computed import kernels
 from computed.model.config import Llama3RopeScaling
 
 
@@ -49,6 +50,25 @@ class RotaryEmbedding:
             table = (emb.cos(), emb.sin())
             self._tables[device] = table
         return table
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` to q (T, H, D) and k (T, Hkv, D). On CPU float32 one call of the
+    native `kvcache::rotary`, bit for bit the same: torch's ops are ten tiny kernels per
+    layer, dispatch-bound in a decode step (`python -m bench.attention_kernels`, rotary
+    block)."""
+    if q.device.type == "cpu" and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32:
+        op = kernels.rotary()
+        if (
+            op is not None
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and q.stride(-1) == k.stride(-1) == 1
+        ):
+            return op(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from computed import kernels
+from computed.model.rope import RotaryEmbedding, apply_rotary
 
 # Where a C++ compiler is installed the kernel must build; elsewhere computed falls back.
 needs_compiler = pytest.mark.skipif(
@@ -109,3 +110,42 @@ def test_linear_is_bit_identical_to_torch(linear, threads, rows, out_features, i
 def test_linear_refuses_bad_inputs(linear, x, weight, bias, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         linear(x, weight, bias)
+
+
+@pytest.fixture(scope="module")
+def rotary():
+    return _built(kernels.rotary())
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "dim"), [(1, 8, 4, 32), (7, 4, 1, 8), (300, 6, 2, 128)]
+)
+def test_rotary_is_bit_identical_to_torch(rotary, threads, tokens, heads, kv_heads, dim) -> None:
+    """Three roundings (two products, a sum) as torch's separate kernels: equal, not close.
+    q is a strided view (q/k/v of one product), as a fused projection would hand it over."""
+    gen = torch.Generator().manual_seed(tokens * heads + dim)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 3
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads].contiguous()
+    table = RotaryEmbedding(dim, 10000.0, 4096)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    cos, sin = table.cos_sin(positions, int(positions.max()), torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            q_out, k_out = rotary(q, k, cos, sin)
+        assert torch.equal(q_out, apply_rotary(q, cos, sin))
+        assert torch.equal(k_out, apply_rotary(k, cos, sin))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
+def test_rotary_refuses_mismatched_shapes(rotary) -> None:
+    cos = torch.zeros(3, 8)
+    with pytest.raises(RuntimeError, match=r"q \(T, heads, D\) disagrees with cos"):
+        rotary(torch.zeros(3, 2, 6), torch.zeros(3, 1, 8), cos, cos)
+    with pytest.raises(RuntimeError, match="sin must be contiguous float32 shaped like cos"):
+        rotary(torch.zeros(3, 2, 8), torch.zeros(3, 1, 8), cos, torch.zeros(3, 4))
