@@ -155,13 +155,14 @@ def plan_attention(
     contexts = np.asarray(context_lens, dtype=np.int64)
     firsts = contexts - lens
     shareable = firsts // block_size
-    # Decode rows only, too few for any segment to reach the threshold: skip the search.
-    too_few = (
-        bool((lens == 1).all()) and len(lens) * int(shareable.max()) * block_size < min_decode_segment_reads
-    )
-    segments = [] if too_few else find_segments(tables, shareable)
-    if min_decode_segment_reads > 0:
-        segments = _worth_cascading(segments, lens, block_size, min_decode_segment_reads)
+    if min_decode_segment_reads <= 0:
+        segments = find_segments(tables, shareable)
+    elif (lens == 1).all() and len(lens) * int(shareable.max()) * block_size < min_decode_segment_reads:
+        segments = []  # decode rows only, too few for any segment to pay: no search
+    else:
+        segments = _worth_cascading(
+            find_segments(tables, shareable), lens, block_size, min_decode_segment_reads
+        )
     covered = np.zeros(len(starts), dtype=np.int64)  # blocks of each span read through segments
     offsets = np.arange(block_size, dtype=np.int64)
     items: list[_Item] = []
