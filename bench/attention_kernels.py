@@ -10,7 +10,9 @@ decode rows as a step runs them, 4 layers from cold caches: gather + "fold" agai
 `computed.kernels`' native paged decode kernel, which reads the pool in place; decode
 rows over a shared prefix, cascaded (the segment as one item) against flat (each row reads
 it in its own item), as `computed.attention` runs them; and the default model's linear
-layers through `F.linear` (MKL) against the native column-split `kvcache::linear`. The
+layers through `F.linear` (MKL) against the native column-split `kvcache::linear`; and
+tiles of several queries per item as a step runs them: gather + torch's flash kernel
+("fold", or "repeat" where causal) against the native paged flash kernel. The
 choices in `computed/attention.py` and `computed/model/layers.py` cite this table.
 """
 
@@ -93,8 +95,58 @@ def main() -> None:
 
     decode_rows()
     cascade()
+    flash()
     linear()
     rotary()
+
+
+FLASH_TILES = [  # (what, items, queries, keys, causal)
+    ("prefill, 4 unrelated prompts", 4, 1088, 1088, True),
+    ("prefill, 1 prompt", 1, 1088, 1088, True),
+    ("prefill, 64 new chunks of 64", 64, 64, 64, True),
+    ("shared segment, 64 decode rows", 1, 64, 1024, False),
+    ("shared segment, 63 x 64 prefill rows", 1, 4032, 1024, False),
+    ("private contexts, 16 chunks of 64", 16, 64, 1024, False),
+]
+
+
+def flash() -> None:
+    """Multi-query tiles: slots gather + torch's flash (as computed ran them before the
+    native kernel) against `kvcache::paged_flash` reading the pool in place."""
+    from computed import kernels
+
+    op = kernels.paged_flash()
+    if op is None:
+        print(f"flash: native kernel unavailable ({kernels.error()})")
+        return
+    print(f"{'flash tile':40} {'I x Qm x Lm':>18} {'torch':>8} {'native':>8} {'ratio':>6}  (ms)")
+    for what, items, width_q, width_k, causal in FLASH_TILES:
+        num_blocks = items * width_k // BLOCK + 8
+        keys, values = torch.randn(2, num_blocks * BLOCK, KV_HEADS, DIM).unbind(0)
+        blocks = torch.randperm(num_blocks)[: items * -(-width_k // BLOCK)].view(items, -1)
+        slots = (
+            (blocks[:, :, None] * BLOCK + torch.arange(BLOCK)).reshape(items, -1)[:, :width_k].contiguous()
+        )
+        lens = torch.full((items,), width_k)
+        q = torch.randn(items, width_q, HEADS, DIM)
+
+        def torch_path(q=q, keys=keys, values=values, slots=slots, causal=causal):
+            k = keys.index_select(0, slots.view(-1)).view(*slots.shape, KV_HEADS, DIM)
+            v = values.index_select(0, slots.view(-1)).view(*slots.shape, KV_HEADS, DIM)
+            if causal:
+                kh = k.transpose(1, 2).repeat_interleave(GROUP, dim=1)
+                vh = v.transpose(1, 2).repeat_interleave(GROUP, dim=1)
+                return FLASH(q.transpose(1, 2), kh, vh, 0.0, True, scale=DIM**-0.5)
+            return fold(q, k, v)
+
+        repeats = 3 if items * width_q * width_k > 10**6 else 20
+        before = timed(torch_path, repeats)
+        after = timed(
+            lambda q=q, k=keys, v=values, s=slots, n=lens, c=causal: op(q, k, v, s, n, c, DIM**-0.5), repeats
+        )
+        print(
+            f"{what:40} {f'{items} x {width_q} x {width_k}':>18} {before:8.2f} {after:8.2f} {before / after:6.2f}"
+        )
 
 
 def cascade(layers: int = 4) -> None:

@@ -31,11 +31,14 @@ heads x 32). A tile of one query per item (every decode row's private context) r
 once, straight from the pool through the slot list, where gathering them for a fused
 kernel read them twice and wrote them once (memory-bound on CPU); 4 layers of 8 rows x
 1,001 keys 11.3 -> 4.8 ms, 64 x 97 8.8 -> 3.8 ms, 64 x 1,100 89 -> 37 ms (cold caches).
-Other tiles: torch's fused CPU flash kernel with the query heads of one K/V head folded
-into the query rows (no K/V repeat) beat a batched matmul by 2.4x on 64 decode rows x
-1,152 keys (9 vs 22 ms), 1.6x on a shared segment of 64 decode rows x 1,024 keys and 2.2x
-on 4,032 prefill rows x 1,024 keys, and one SDPA call per sequence by 2x. Other devices
-and dtypes use the float32 matmul path.
+Tiles of several queries per item (prefill chunks, shared segments) run its paged flash
+kernel: K/V read once per item and K/V head through the slot list, the query heads of
+one K/V head folded into its rows; against torch's fused CPU flash kernel on gathered,
+head-repeated K/V (`python -m bench.attention_kernels`, flash block): causal 4 x 1,088
+81 -> 51 ms, 64 decode rows x 1,024 shared keys 2.2 -> 1.6 ms, 16 items x 64 rows x
+1,024 keys 33 -> 27 ms. Where it does not build, torch's flash kernel runs those tiles
+(it beat a batched matmul by 1.6-2.4x and one SDPA call per sequence by 2x). Other
+devices and dtypes use the float32 matmul path.
 """
 
 from __future__ import annotations
@@ -280,17 +283,31 @@ def _attend_tile(
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     items, width_q, width_k = tile.num_items, tile.num_queries, tile.num_keys
-    if width_q == 1 and not tile.causal and q.device.type == "cpu" and q.dtype == torch.float32:
-        decode = kernels.paged_decode()
-        if decode is not None:  # one query per item: read K/V from the pool, no gather
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        pool_keys = keys.view(-1, num_kv_heads, head_dim)  # (N * B, Hkv, D)
+        pool_values = values.view(-1, num_kv_heads, head_dim)
+        decode, flash = kernels.paged_decode(), kernels.paged_flash()
+        if width_q == 1 and not tile.causal and decode is not None:
+            # One query per item: read K/V from the pool, no gather.
             return decode(
                 q.index_select(0, tile.query_rows.view(-1)),  # (I, H, D)
-                keys.view(-1, num_kv_heads, head_dim),
-                values.view(-1, num_kv_heads, head_dim),
+                pool_keys,
+                pool_values,
                 tile.key_slots.view(items, width_k),
                 tile.key_lens,
                 scale,
             )
+        if flash is not None:  # several queries per item (prefill chunks, shared segments)
+            o, lse = flash(
+                q[tile.query_rows],  # (I, Qm, H, D)
+                pool_keys,
+                pool_values,
+                tile.key_slots.view(items, width_k),
+                tile.key_lens,
+                tile.causal,
+                scale,
+            )  # (I, Qm, H, D), (I, Qm, H)
+            return o.view(items * width_q, num_heads, head_dim), lse.view(items * width_q, num_heads)
     qt = q[tile.query_rows]  # (I, Qm, H, D)
     kt = keys.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)  # (I, Lm, Hkv, D)
     vt = values.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)

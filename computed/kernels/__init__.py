@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(
-    Path(__file__).resolve().parent / name for name in ("paged_decode.cpp", "linear.cpp", "rotary.cpp")
+    Path(__file__).resolve().parent / name
+    for name in ("paged_decode.cpp", "paged_flash.cpp", "linear.cpp", "rotary.cpp")
 )
 ENV = "COMPUTED_CPU_KERNELS"
 
@@ -39,6 +40,12 @@ def paged_decode() -> Callable | None:
     """The paged decode op, built or loaded once per process (the first call waits for it);
     None where it cannot be had (`error()` says why)."""
     return torch.ops.kvcache.paged_decode if _loaded()[0] else None
+
+
+def paged_flash() -> Callable | None:
+    """The paged flash op for tiles of several query rows per item (`paged_flash(q, keys,
+    values, key_slots, key_lens, causal, scale) -> (out, lse)`), or None as `paged_decode()`."""
+    return torch.ops.kvcache.paged_flash if _loaded()[0] else None
 
 
 def linear() -> Callable | None:
@@ -66,7 +73,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "rotary"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "paged_flash"):
         return True, None
     try:
         from torch.utils import cpp_extension

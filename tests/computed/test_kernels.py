@@ -1,4 +1,4 @@
-"""The native CPU kernels: paged decode against dense attention, the column-split linear
+"""The native CPU kernels: paged decode and paged flash against dense attention, the column-split linear
 against torch's (bit for bit), and their input checks."""
 
 from __future__ import annotations
@@ -64,6 +64,68 @@ def test_bad_slots_are_refused(paged_decode, slots, lens, message: str) -> None:
         RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")
     ):
         paged_decode(torch.zeros(1, 2, 8), keys, keys, torch.tensor(slots), torch.tensor(lens), 1.0)
+
+
+@pytest.fixture(scope="module")
+def paged_flash():
+    return _built(kernels.paged_flash())
+
+
+def _dense(q, k, v, causal: bool, scale: float):
+    """Reference: q (Q, H, D), k/v (L, Hkv, D) -> out (Q, H, D), lse (Q, H), in float64."""
+    group = q.shape[1] // k.shape[1]
+    kh, vh = k.repeat_interleave(group, dim=1).double(), v.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,lhd->hql", q.double(), kh) * scale  # (H, Q, L)
+    if causal:
+        future = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    out = torch.einsum("hql,lhd->qhd", scores.softmax(-1), vh)
+    return out.float(), scores.logsumexp(-1).transpose(0, 1).float()
+
+
+@needs_compiler
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32)]
+)
+def test_flash_matches_dense_attention(
+    paged_flash, causal: bool, heads: int, kv_heads: int, dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(heads * 1000 + dim + causal)
+    num_slots, width = 1024, 150  # keys past one 64-key block, rows past one block of positions
+    lens = [150, 1, 77, 130] if not causal else [150, 1, 77, 64]
+    queries = width if causal else 70
+    keys = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    values = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    q = torch.randn(len(lens), queries, heads, dim, generator=gen)
+    slots = torch.randint(0, num_slots, (len(lens), width), generator=gen)
+    out, lse = paged_flash(q, keys, values, slots, torch.tensor(lens), causal, dim**-0.5)
+    assert out.shape == (len(lens), queries, heads, dim) and lse.shape == (len(lens), queries, heads)
+    for i, n in enumerate(lens):
+        rows = n if causal else queries  # causal items' rows past their keys are padding
+        k, v = keys[slots[i, :n]], values[slots[i, :n]]
+        want_out, want_lse = _dense(q[i, :rows], k, v, causal, dim**-0.5)
+        torch.testing.assert_close(out[i, :rows], want_out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse[i, :rows], want_lse, atol=2e-5, rtol=2e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("dim", "slots", "lens", "message"),
+    [
+        (8, [[0, 512]], [2], "slot 512 outside the pool of 512"),
+        (8, [[0, 1]], [0], "key_lens[0] = 0 outside 1..2"),
+        (12, [[0, 1]], [2], "a head size that is a multiple of 8, got 12"),
+    ],
+)
+def test_flash_refuses_bad_inputs(paged_flash, dim: int, slots, lens, message: str) -> None:
+    keys = torch.zeros(512, 2, dim)
+    with pytest.raises(
+        RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")
+    ):
+        paged_flash(
+            torch.zeros(1, 3, 2, dim), keys, keys, torch.tensor(slots), torch.tensor(lens), False, 1.0
+        )
 
 
 def test_disabled_by_the_environment(monkeypatch) -> None:

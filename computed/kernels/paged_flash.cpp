@@ -1,0 +1,349 @@
+// Paged flash attention on CPU for tiles of several query rows per item (prefill chunks,
+// cascade segments), keys read straight from the KV pool through a slot list.
+//
+// Why: torch's fused CPU flash kernel reaches about a third of this machine's float32
+// peak at head size 32 (its per-block GEMM calls are short and its causal blocking wastes
+// work), and it needs the item's keys gathered into a dense, head-repeated copy first.
+// This kernel keeps a block of query rows (the query heads of one K/V head folded in, so
+// K/V are read once per group) against a block of keys in registers: scores by
+// broadcast-FMA against a transposed key block, an online softmax in base 2, then
+// weighted values. Measured with `python -m bench.attention_kernels` (flash block).
+//
+// kvcache::paged_flash(q, keys, values, key_slots, key_lens, causal, scale) -> (out, lse)
+//   q         (I, Qm, H, D)   float32, the query rows of each item
+//   keys      (S, Hkv, D)     float32, one row per pool slot (a layer's key cache viewed flat)
+//   values    (S, Hkv, D)     float32
+//   key_slots (I, Lm)         int64, the pool slots item i reads, in order
+//   key_lens  (I,)            int64, item i reads key_slots[i, :key_lens[i]] (>= 1)
+//   causal    bool            query row r sees keys 0..r only (top-left aligned, as torch's)
+//   out       (I, Qm, H, D)   float32, softmax(q k^T * scale) v per query head
+//   lse       (I, Qm, H)      float32, natural log-sum-exp of the scaled scores
+// Query head h reads K/V head h / (H / Hkv). Rows past an item's real queries get finite
+// values (every row sees key 0); callers drop them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+// 2^x per lane, x <= 0 (scores minus their row max); x < -126 gives 0. Degree-6 series of
+// e^(f ln 2) on f in [-0.5, 0.5] (relative error about 1e-7, float32 rounding).
+inline v8 exp2_neg(v8 x) {
+  const v8 big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8i keep = x >= splat(-126.f);
+  x = x < splat(-126.f) ? splat(-126.f) : x;
+  v8 n = (x + big) - big;
+  v8 f = x - n;
+  v8 p = splat(1.5403530393381606e-4f);
+  p = p * f + splat(1.3333558146428443e-3f);
+  p = p * f + splat(9.6181291076284772e-3f);
+  p = p * f + splat(5.5504108664821580e-2f);
+  p = p * f + splat(2.4022650695910071e-1f);
+  p = p * f + splat(6.9314718055994531e-1f);
+  p = p * f + splat(1.f);
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v8 r = p * scale;
+  v8i ri;
+  std::memcpy(&ri, &r, sizeof(ri));
+  ri &= keep;
+  std::memcpy(&r, &ri, sizeof(r));
+  return r;
+}
+
+constexpr int kBlockKeys = 64;   // keys per block (multiple of 16)
+constexpr int kBlockRows = 64;   // query rows per unit (positions x group), multiple of 4
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Shape {
+  int64_t queries, heads, kv_heads, dim, width, group;
+};
+
+// Scratch of one thread, reused across units.
+struct Scratch {
+  std::vector<float> q, s, o, m, l;
+  void reserve(int64_t dim) {
+    q.resize(kBlockRows * dim);
+    s.resize(kBlockRows * kBlockKeys);
+    o.resize(kBlockRows * dim);
+    m.resize(kBlockRows);
+    l.resize(kBlockRows);
+  }
+};
+
+// s[r, c..c+16) = q[r, :] . kt[:, c..c+16) for rows r0..r0+4.
+template <int DIM>
+inline void scores_4x16(const float* q, const float* kt, float* s, int64_t dim_arg) {
+  const int64_t dim = DIM > 0 ? DIM : dim_arg;
+  v8 a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    const v8 k0 = load(kt + d * kBlockKeys), k1 = load(kt + d * kBlockKeys + 8);
+    const v8 b0 = splat(q[d]), b1 = splat(q[dim + d]), b2 = splat(q[2 * dim + d]), b3 = splat(q[3 * dim + d]);
+    a00 += b0 * k0; a01 += b0 * k1;
+    a10 += b1 * k0; a11 += b1 * k1;
+    a20 += b2 * k0; a21 += b2 * k1;
+    a30 += b3 * k0; a31 += b3 * k1;
+  }
+  store(s, a00); store(s + 8, a01);
+  store(s + kBlockKeys, a10); store(s + kBlockKeys + 8, a11);
+  store(s + 2 * kBlockKeys, a20); store(s + 2 * kBlockKeys + 8, a21);
+  store(s + 3 * kBlockKeys, a30); store(s + 3 * kBlockKeys + 8, a31);
+}
+
+// o[r, :] += sum_j p[r, j] v_j[:] for rows r0, r0+1; dim a multiple of 8.
+template <int DIM>
+inline void values_2(const float* p, const float* vrows, int64_t keys, float* o, int64_t dim_arg) {
+  const int64_t dim = DIM > 0 ? DIM : dim_arg;
+  for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+    const int64_t width = std::min<int64_t>(32, dim - d0);
+    if (width == 32) {
+      v8 a0 = load(o + d0), a1 = load(o + d0 + 8), a2 = load(o + d0 + 16), a3 = load(o + d0 + 24);
+      v8 c0 = load(o + dim + d0), c1 = load(o + dim + d0 + 8), c2 = load(o + dim + d0 + 16),
+         c3 = load(o + dim + d0 + 24);
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* v = vrows + j * dim + d0;
+        const v8 v0 = load(v), v1 = load(v + 8), v2 = load(v + 16), v3 = load(v + 24);
+        const v8 w0 = splat(p[j]), w1 = splat(p[kBlockKeys + j]);
+        a0 += w0 * v0; a1 += w0 * v1; a2 += w0 * v2; a3 += w0 * v3;
+        c0 += w1 * v0; c1 += w1 * v1; c2 += w1 * v2; c3 += w1 * v3;
+      }
+      store(o + d0, a0); store(o + d0 + 8, a1); store(o + d0 + 16, a2); store(o + d0 + 24, a3);
+      store(o + dim + d0, c0); store(o + dim + d0 + 8, c1); store(o + dim + d0 + 16, c2);
+      store(o + dim + d0 + 24, c3);
+    } else {
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* v = vrows + j * dim + d0;
+        for (int64_t d = 0; d < width; ++d) {
+          o[d0 + d] += p[j] * v[d];
+          o[dim + d0 + d] += p[kBlockKeys + j] * v[d];
+        }
+      }
+    }
+  }
+}
+
+// One unit: item i, K/V head kvh, query positions [q0, q0 + positions).
+template <int DIM>
+void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
+                 bool causal, float scale, const Shape& sh, int64_t i, int64_t kvh, int64_t q0,
+                 int64_t positions, float* op, float* lp, Scratch& w) {
+  const int64_t dim = DIM > 0 ? DIM : sh.dim, g = sh.group;
+  const int64_t rows = positions * g, padded_rows = (rows + 3) / 4 * 4;
+  float* __restrict q = w.q.data();
+  float* __restrict o = w.o.data();
+  float* __restrict m = w.m.data();
+  float* __restrict l = w.l.data();
+  // Rows: r = position * g + (head within the group); scores in base 2.
+  const float qscale = scale * kLog2e;
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    float* dst = q + r * dim;
+    if (r < rows) {
+      const float* src = qp + ((i * sh.queries + q0 + r / g) * sh.heads + kvh * g + r % g) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * qscale;
+    } else {
+      std::fill(dst, dst + dim, 0.f);
+    }
+  }
+  std::fill(o, o + padded_rows * dim, 0.f);
+  std::fill(m, m + padded_rows, kNegInf);
+  std::fill(l, l + padded_rows, 0.f);
+  // Keys this unit can see: causal rows stop at their own position.
+  const int64_t end_keys = causal ? std::min(len, q0 + positions) : len;
+  for (int64_t k0 = 0; k0 < end_keys; k0 += kBlockKeys) {
+    const int64_t nk = std::min<int64_t>(kBlockKeys, end_keys - k0);
+    const int64_t nk16 = (nk + 15) / 16 * 16;
+    float* __restrict s = w.s.data();
+    for (int64_t r = 0; r < padded_rows; r += 4)
+      for (int64_t c = 0; c < nk16; c += 16)
+        scores_4x16<DIM>(q + r * dim, kt + k0 * dim + c, s + r * kBlockKeys + c, dim);
+    // Mask, online softmax.
+    const bool diagonal = causal && k0 + nk - 1 > q0;
+    for (int64_t r = 0; r < padded_rows; ++r) {
+      float* sr = s + r * kBlockKeys;
+      int64_t visible = nk;
+      if (diagonal) visible = std::max<int64_t>(0, std::min<int64_t>(nk, q0 + r / g - k0 + 1));
+      if (r >= rows) visible = std::min<int64_t>(nk, 1);
+      for (int64_t j = visible; j < nk16; ++j) sr[j] = kNegInf;
+      // Row max over the block, 8 lanes at a time (a scalar max chain costs ~4 cycles a key).
+      v8 mv = splat(m[r]);
+      for (int64_t j = 0; j < nk16; j += 8) {
+        const v8 x = load(sr + j);
+        mv = x > mv ? x : mv;
+      }
+      float mx = mv[0];
+      for (int lane = 1; lane < 8; ++lane) mx = std::max(mx, mv[lane]);
+      if (mx == kNegInf) {  // nothing visible yet in this row
+        for (int64_t j = 0; j < nk16; ++j) sr[j] = 0.f;
+        continue;
+      }
+      const float correction = m[r] == kNegInf ? 0.f : std::exp2(m[r] - mx);
+      m[r] = mx;
+      v8 sum = {};
+      const v8 mxv = splat(mx);
+      for (int64_t j = 0; j < nk16; j += 8) {
+        const v8 e = exp2_neg(load(sr + j) - mxv);
+        store(sr + j, e);
+        sum += e;
+      }
+      float total = 0.f;
+      for (int lane = 0; lane < 8; ++lane) total += sum[lane];
+      l[r] = l[r] * correction + total;
+      if (correction != 1.f) {
+        float* orow = o + r * dim;
+        const v8 cv = splat(correction);
+        for (int64_t d = 0; d < dim; d += 8) store(orow + d, load(orow + d) * cv);
+      }
+    }
+    for (int64_t r = 0; r < padded_rows; r += 2) values_2<DIM>(s + r * kBlockKeys, vc + k0 * dim, nk, o + r * dim, dim);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = (i * sh.queries + q0 + r / g) * sh.heads + kvh * g + r % g;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < dim; ++d) op[row * dim + d] = o[r * dim + d] * inv;
+    lp[row] = (m[r] + std::log2(l[r])) * kLn2;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Tensor& keys,
+                                               const at::Tensor& values, const at::Tensor& key_slots,
+                                               const at::Tensor& key_lens, bool causal, double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "q must be 4-d, keys and values 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat,
+              "paged_flash takes float32");
+  TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
+              "key_slots and key_lens must be int64");
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() &&
+                  key_slots.is_contiguous() && key_lens.is_contiguous(),
+              "paged_flash takes contiguous tensors");
+  Shape sh{q.size(1), q.size(2), keys.size(1), q.size(3), key_slots.size(1), 0};
+  const int64_t items = q.size(0), num_slots = keys.size(0);
+  TORCH_CHECK(keys.size(2) == sh.dim && values.sizes() == keys.sizes(), "K/V shapes disagree with q");
+  TORCH_CHECK(sh.dim % 8 == 0, "paged_flash needs a head size that is a multiple of 8, got ", sh.dim);
+  TORCH_CHECK(sh.heads % sh.kv_heads == 0, "query heads must be a multiple of K/V heads");
+  sh.group = sh.heads / sh.kv_heads;
+  TORCH_CHECK(sh.group <= kBlockRows, "at most ", kBlockRows, " query heads per K/V head");
+  TORCH_CHECK(key_slots.dim() == 2 && key_slots.size(0) == items && key_lens.size(0) == items,
+              "key_slots (I, Lm) and key_lens (I,) must match q's I");
+  const int64_t* slots = key_slots.data_ptr<int64_t>();
+  const int64_t* lens = key_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= sh.width, "key_lens[", i, "] = ", lens[i], " outside 1..", sh.width);
+    for (int64_t j = 0; j < lens[i]; ++j) {
+      const int64_t slot = slots[i * sh.width + j];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the pool of ", num_slots);
+    }
+  }
+  at::Tensor out = at::empty({items, sh.queries, sh.heads, sh.dim}, q.options());
+  at::Tensor lse = at::empty({items, sh.queries, sh.heads}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  // Rows no unit covers (an item's padding rows) are zero, lse -inf.
+  if (causal) {
+    out.zero_();
+    lse.fill_(kNegInf);
+  }
+  // A job is one (item, K/V head): its thread copies the keys, transposed by key block,
+  // (Lp / kBlockKeys, D, kBlockKeys) with Lp a multiple of the key block (zero past the
+  // item's keys; one tile is 8 KB at D = 32, read contiguously), and the values, (Lp, D),
+  // out of the pool once into its own scratch, then runs every block of query positions
+  // against them. Costliest jobs first, handed out one at a time so threads finish together.
+  const int64_t per_block = std::max<int64_t>(1, kBlockRows / sh.group);
+  const int64_t lp_keys = (sh.width + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
+  struct Job {
+    int64_t item, kv_head, cost;
+  };
+  std::vector<Job> jobs;
+  jobs.reserve(items * sh.kv_heads);
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t rows = causal ? std::min(lens[i], sh.queries) : sh.queries;  // past: padding only
+    const int64_t cost = causal ? rows * lens[i] / 2 + 1 : rows * lens[i];
+    for (int64_t h = 0; h < sh.kv_heads; ++h) jobs.push_back({i, h, cost});
+  }
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_jobs = static_cast<int64_t>(jobs.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_jobs));
+  // Inputs are checked above: nothing may throw in the parallel region.
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    scratch.reserve(sh.dim);
+    std::vector<float> kt(sh.dim * lp_keys), vc(sh.dim * lp_keys);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t x = next.fetch_add(1); x < num_jobs; x = next.fetch_add(1)) {
+        const int64_t i = jobs[x].item, h = jobs[x].kv_head, len = lens[i];
+        for (int64_t j = 0; j < lp_keys; ++j) {
+          float* tile = kt.data() + (j / kBlockKeys) * kBlockKeys * sh.dim + j % kBlockKeys;
+          if (j < len) {
+            const int64_t row = (slots[i * sh.width + j] * sh.kv_heads + h) * sh.dim;
+            for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = kp[row + d];
+            std::memcpy(vc.data() + j * sh.dim, vp + row, sh.dim * sizeof(float));
+          } else {
+            for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = 0.f;
+            std::fill(vc.data() + j * sh.dim, vc.data() + (j + 1) * sh.dim, 0.f);
+          }
+        }
+        const int64_t rows = causal ? std::min(len, sh.queries) : sh.queries;
+        for (int64_t q0 = 0; q0 < rows; q0 += per_block) {
+          const int64_t positions = std::min(per_block, sh.queries - q0);
+          switch (sh.dim) {
+            case 32:
+              attend_unit<32>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
+                              scratch);
+              break;
+            case 64:
+              attend_unit<64>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
+                              scratch);
+              break;
+            case 128:
+              attend_unit<128>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
+                               scratch);
+              break;
+            default:
+              attend_unit<0>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
+                             scratch);
+          }
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcache, m) {
+  m.def(
+      "paged_flash(Tensor q, Tensor keys, Tensor values, Tensor key_slots, Tensor key_lens, bool causal, "
+      "float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
+  m.impl("paged_flash", paged_flash);
+}
