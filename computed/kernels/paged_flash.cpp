@@ -70,8 +70,8 @@ inline v8 exp2_neg(v8 x) {
   return r;
 }
 
-constexpr int kBlockKeys = 64;   // keys per block (multiple of 16)
-constexpr int kBlockRows = 64;   // query rows per unit (positions x group), multiple of 4
+constexpr int kBlockKeys = 64;   // keys per block (a multiple of the 32-key score tile)
+constexpr int kBlockRows = 64;   // query rows per unit (positions x group)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -84,60 +84,71 @@ struct Shape {
 struct Scratch {
   std::vector<float> q, s, o, m, l;
   void reserve(int64_t dim) {
-    q.resize(kBlockRows * dim);
-    s.resize(kBlockRows * kBlockKeys);
-    o.resize(kBlockRows * dim);
-    m.resize(kBlockRows);
-    l.resize(kBlockRows);
+    const int64_t rows = kBlockRows + 2;  // rounded up to whole row tiles
+    q.resize(rows * dim);
+    s.resize(rows * kBlockKeys);
+    o.resize(rows * dim);
+    m.resize(rows);
+    l.resize(rows);
   }
 };
 
-// s[r, c..c+16) = q[r, :] . kt[:, c..c+16) for rows r0..r0+4.
+// Register tiles: kRowTile query rows at once, so each key (or value) vector loaded feeds
+// kRowTile FMAs into 12 independent accumulators (enough to hide the FMA latency).
+constexpr int kRowTile = 3;
+
+// s[r, c..c+32) = q[r, :] . kt[:, c..c+32) for the kRowTile rows from q (row stride dim).
 template <int DIM>
-inline void scores_4x16(const float* q, const float* kt, float* s, int64_t dim_arg) {
+inline void scores_tile(const float* q, const float* kt, float* s, int64_t dim_arg) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
-  v8 a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {};
+  v8 acc[kRowTile][4] = {};
   for (int64_t d = 0; d < dim; ++d) {
-    const v8 k0 = load(kt + d * kBlockKeys), k1 = load(kt + d * kBlockKeys + 8);
-    const v8 b0 = splat(q[d]), b1 = splat(q[dim + d]), b2 = splat(q[2 * dim + d]), b3 = splat(q[3 * dim + d]);
-    a00 += b0 * k0; a01 += b0 * k1;
-    a10 += b1 * k0; a11 += b1 * k1;
-    a20 += b2 * k0; a21 += b2 * k1;
-    a30 += b3 * k0; a31 += b3 * k1;
+    const float* k = kt + d * kBlockKeys;
+    const v8 k0 = load(k), k1 = load(k + 8), k2 = load(k + 16), k3 = load(k + 24);
+    for (int r = 0; r < kRowTile; ++r) {
+      const v8 b = splat(q[r * dim + d]);
+      acc[r][0] += b * k0;
+      acc[r][1] += b * k1;
+      acc[r][2] += b * k2;
+      acc[r][3] += b * k3;
+    }
   }
-  store(s, a00); store(s + 8, a01);
-  store(s + kBlockKeys, a10); store(s + kBlockKeys + 8, a11);
-  store(s + 2 * kBlockKeys, a20); store(s + 2 * kBlockKeys + 8, a21);
-  store(s + 3 * kBlockKeys, a30); store(s + 3 * kBlockKeys + 8, a31);
+  for (int r = 0; r < kRowTile; ++r)
+    for (int c = 0; c < 4; ++c) store(s + r * kBlockKeys + 8 * c, acc[r][c]);
 }
 
-// o[r, :] += sum_j p[r, j] v_j[:] for rows r0, r0+1; dim a multiple of 8.
+// o[r, :] += sum_j p[r, j] v_j[:] for the kRowTile rows from o (row stride dim); vrows
+// (keys, dim) contiguous; dim a multiple of 8.
 template <int DIM>
-inline void values_2(const float* p, const float* vrows, int64_t keys, float* o, int64_t dim_arg) {
+inline void values_tile(const float* p, const float* vrows, int64_t keys, float* o, int64_t dim_arg) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-    const int64_t width = std::min<int64_t>(32, dim - d0);
-    if (width == 32) {
-      v8 a0 = load(o + d0), a1 = load(o + d0 + 8), a2 = load(o + d0 + 16), a3 = load(o + d0 + 24);
-      v8 c0 = load(o + dim + d0), c1 = load(o + dim + d0 + 8), c2 = load(o + dim + d0 + 16),
-         c3 = load(o + dim + d0 + 24);
+    if (dim - d0 >= 32) {
+      v8 acc[kRowTile][4];
+      for (int r = 0; r < kRowTile; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = load(o + r * dim + d0 + 8 * c);
       for (int64_t j = 0; j < keys; ++j) {
         const float* v = vrows + j * dim + d0;
         const v8 v0 = load(v), v1 = load(v + 8), v2 = load(v + 16), v3 = load(v + 24);
-        const v8 w0 = splat(p[j]), w1 = splat(p[kBlockKeys + j]);
-        a0 += w0 * v0; a1 += w0 * v1; a2 += w0 * v2; a3 += w0 * v3;
-        c0 += w1 * v0; c1 += w1 * v1; c2 += w1 * v2; c3 += w1 * v3;
-      }
-      store(o + d0, a0); store(o + d0 + 8, a1); store(o + d0 + 16, a2); store(o + d0 + 24, a3);
-      store(o + dim + d0, c0); store(o + dim + d0 + 8, c1); store(o + dim + d0 + 16, c2);
-      store(o + dim + d0 + 24, c3);
-    } else {
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* v = vrows + j * dim + d0;
-        for (int64_t d = 0; d < width; ++d) {
-          o[d0 + d] += p[j] * v[d];
-          o[dim + d0 + d] += p[kBlockKeys + j] * v[d];
+        for (int r = 0; r < kRowTile; ++r) {
+          const v8 w = splat(p[r * kBlockKeys + j]);
+          acc[r][0] += w * v0;
+          acc[r][1] += w * v1;
+          acc[r][2] += w * v2;
+          acc[r][3] += w * v3;
         }
+      }
+      for (int r = 0; r < kRowTile; ++r)
+        for (int c = 0; c < 4; ++c) store(o + r * dim + d0 + 8 * c, acc[r][c]);
+    } else {
+      for (int64_t d = d0; d < dim; d += 8) {
+        v8 acc[kRowTile];
+        for (int r = 0; r < kRowTile; ++r) acc[r] = load(o + r * dim + d);
+        for (int64_t j = 0; j < keys; ++j) {
+          const v8 v = load(vrows + j * dim + d);
+          for (int r = 0; r < kRowTile; ++r) acc[r] += splat(p[r * kBlockKeys + j]) * v;
+        }
+        for (int r = 0; r < kRowTile; ++r) store(o + r * dim + d, acc[r]);
       }
     }
   }
@@ -149,7 +160,7 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
                  bool causal, float scale, const Shape& sh, int64_t i, int64_t kvh, int64_t q0,
                  int64_t positions, float* op, float* lp, Scratch& w) {
   const int64_t dim = DIM > 0 ? DIM : sh.dim, g = sh.group;
-  const int64_t rows = positions * g, padded_rows = (rows + 3) / 4 * 4;
+  const int64_t rows = positions * g, padded_rows = (rows + kRowTile - 1) / kRowTile * kRowTile;
   float* __restrict q = w.q.data();
   float* __restrict o = w.o.data();
   float* __restrict m = w.m.data();
@@ -172,11 +183,11 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
   const int64_t end_keys = causal ? std::min(len, q0 + positions) : len;
   for (int64_t k0 = 0; k0 < end_keys; k0 += kBlockKeys) {
     const int64_t nk = std::min<int64_t>(kBlockKeys, end_keys - k0);
-    const int64_t nk16 = (nk + 15) / 16 * 16;
+    const int64_t nk_padded = (nk + 31) / 32 * 32;  // whole score tiles (zero keys past nk, masked)
     float* __restrict s = w.s.data();
-    for (int64_t r = 0; r < padded_rows; r += 4)
-      for (int64_t c = 0; c < nk16; c += 16)
-        scores_4x16<DIM>(q + r * dim, kt + k0 * dim + c, s + r * kBlockKeys + c, dim);
+    for (int64_t r = 0; r < padded_rows; r += kRowTile)
+      for (int64_t c = 0; c < nk_padded; c += 32)
+        scores_tile<DIM>(q + r * dim, kt + k0 * dim + c, s + r * kBlockKeys + c, dim);
     // Mask, online softmax.
     const bool diagonal = causal && k0 + nk - 1 > q0;
     for (int64_t r = 0; r < padded_rows; ++r) {
@@ -184,24 +195,24 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
       int64_t visible = nk;
       if (diagonal) visible = std::max<int64_t>(0, std::min<int64_t>(nk, q0 + r / g - k0 + 1));
       if (r >= rows) visible = std::min<int64_t>(nk, 1);
-      for (int64_t j = visible; j < nk16; ++j) sr[j] = kNegInf;
+      for (int64_t j = visible; j < nk_padded; ++j) sr[j] = kNegInf;
       // Row max over the block, 8 lanes at a time (a scalar max chain costs ~4 cycles a key).
       v8 mv = splat(m[r]);
-      for (int64_t j = 0; j < nk16; j += 8) {
+      for (int64_t j = 0; j < nk_padded; j += 8) {
         const v8 x = load(sr + j);
         mv = x > mv ? x : mv;
       }
       float mx = mv[0];
       for (int lane = 1; lane < 8; ++lane) mx = std::max(mx, mv[lane]);
       if (mx == kNegInf) {  // nothing visible yet in this row
-        for (int64_t j = 0; j < nk16; ++j) sr[j] = 0.f;
+        for (int64_t j = 0; j < nk_padded; ++j) sr[j] = 0.f;
         continue;
       }
       const float correction = m[r] == kNegInf ? 0.f : std::exp2(m[r] - mx);
       m[r] = mx;
       v8 sum = {};
       const v8 mxv = splat(mx);
-      for (int64_t j = 0; j < nk16; j += 8) {
+      for (int64_t j = 0; j < nk_padded; j += 8) {
         const v8 e = exp2_neg(load(sr + j) - mxv);
         store(sr + j, e);
         sum += e;
@@ -215,7 +226,8 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
         for (int64_t d = 0; d < dim; d += 8) store(orow + d, load(orow + d) * cv);
       }
     }
-    for (int64_t r = 0; r < padded_rows; r += 2) values_2<DIM>(s + r * kBlockKeys, vc + k0 * dim, nk, o + r * dim, dim);
+    for (int64_t r = 0; r < padded_rows; r += kRowTile)
+      values_tile<DIM>(s + r * kBlockKeys, vc + k0 * dim, nk, o + r * dim, dim);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = (i * sh.queries + q0 + r / g) * sh.heads + kvh * g + r % g;
