@@ -1,7 +1,7 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
 `paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
-`linear()` the `torch.ops.kvcache.linear` op (linear.cpp) and `rotary()` the
+`paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp), `linear()` the `torch.ops.kvcache.linear` op (linear.cpp) and `rotary()` the
 `torch.ops.kvcache.rotary` op (rotary.cpp), or None where they cannot be built (no C++
 compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers then keep
 torch's own kernels, which give the same results (attention up to float rounding, linear
