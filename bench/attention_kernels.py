@@ -188,7 +188,8 @@ def cascade(layers: int = 4) -> None:
 
 
 def linear() -> None:
-    """The default model's linear layers (256 hidden, 688 MLP, 4,096 vocabulary)."""
+    """The default model's linear layers (256 hidden, 688 MLP, 4,096 vocabulary), hot and,
+    for a decode step's rows, from cold caches (as a step finds them after its K/V reads)."""
     import torch.nn.functional as F
 
     from computed import kernels
@@ -197,12 +198,27 @@ def linear() -> None:
     print(
         f"linear layers, x (M, K) W^T: F.linear vs native kvcache::linear ({kernels.error() or 'built'}) (ms)"
     )
+    junk = torch.zeros(48 * 2**20 // 4)
+
+    def cold(fn, repeats: int = 30) -> float:
+        total = 0.0
+        for _ in range(repeats):
+            junk.add_(1.0)  # evict the weights from the caches
+            started = time.perf_counter()
+            fn()
+            total += time.perf_counter() - started
+        return total / repeats * 1e3
+
     for m in (1, 8, 64, 512):
         for n, k in ((256, 256), (128, 256), (688, 256), (256, 688), (4096, 256)):
             x, w = torch.randn(m, k), torch.randn(n, k)
             row = f"  {m} x {k} -> {n}: F.linear {timed(lambda x=x, w=w: F.linear(x, w), 50):.3f}"
             if op is not None:
                 row += f", native {timed(lambda x=x, w=w: op(x, w, None), 50):.3f}"
+            if m <= 16:
+                row += f"; cold: F.linear {cold(lambda x=x, w=w: F.linear(x, w)):.3f}"
+                if op is not None:
+                    row += f", native {cold(lambda x=x, w=w: op(x, w, None)):.3f}"
             print(row)
 
 

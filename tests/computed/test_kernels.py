@@ -1,5 +1,6 @@
-"""The native CPU kernels: paged decode and paged flash against dense attention, the column-split linear
-against torch's (bit for bit), and their input checks."""
+"""The native CPU kernels: paged decode and paged flash against dense attention, the
+linear against torch's (bit for bit past a decode step's rows, to float32 rounding and
+batch-invariant within them), and their input checks."""
 
 from __future__ import annotations
 
@@ -140,10 +141,11 @@ def linear():
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+@pytest.mark.parametrize("rows", [17, 64, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(4096, 256), (2100, 64), (688, 256), (100, 64)])
 def test_linear_is_bit_identical_to_torch(linear, threads, rows, out_features, in_features) -> None:
-    """A column split leaves every output element the same dot product: equal, not close."""
+    """Past a decode step's rows: MKL, whole or split by columns, which leaves every
+    output element the same dot product: equal, not close."""
     gen = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
@@ -155,6 +157,35 @@ def test_linear_is_bit_identical_to_torch(linear, threads, rows, out_features, i
         assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
         with torch.inference_mode():  # as the model runs it: the worker threads must inherit the mode
             assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(4096, 256), (688, 256), (256, 688), (100, 64), (50, 13), (7, 5)]
+)
+def test_linear_few_rows_is_close_and_batch_invariant(
+    linear, threads, rows, out_features, in_features
+) -> None:
+    """A decode step's rows: the native dot-product kernel, within float32 rounding of
+    F.linear, and each row's result the same whatever else is in the batch."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    bias = torch.randn(out_features, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            out = linear(x, weight, bias)
+            want = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            for row in range(rows):  # alone, as a step of one sequence computes it
+                assert torch.equal(linear(x[row : row + 1], weight, bias), out[row : row + 1])
+            assert torch.equal(linear(x, weight, None) + bias, out)
     finally:
         torch.set_num_threads(before)
 
