@@ -1,8 +1,9 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
 `paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
-`paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp), `linear()` the `torch.ops.kvcache.linear` op (linear.cpp) and `rotary()` the
-`torch.ops.kvcache.rotary` op (rotary.cpp), or None where they cannot be built (no C++
+`paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp), `linear()` the `torch.ops.kvcache.linear` op (linear.cpp), `rotary()` the
+`torch.ops.kvcache.rotary` op (rotary.cpp) and `rms_norm()` the `torch.ops.kvcache.rms_norm`
+op (rms_norm.cpp), or None where they cannot be built (no C++
 compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers then keep
 torch's own kernels, which give the same results (attention up to float rounding, linear
 and rotary bit for bit). The build (about a minute on two cores) is cached under
@@ -22,7 +23,7 @@ import torch
 
 SOURCES = tuple(
     Path(__file__).resolve().parent / name
-    for name in ("paged_decode.cpp", "paged_flash.cpp", "linear.cpp", "rotary.cpp")
+    for name in ("paged_decode.cpp", "paged_flash.cpp", "linear.cpp", "rotary.cpp", "rms_norm.cpp")
 )
 ENV = "COMPUTED_CPU_KERNELS"
 
@@ -60,6 +61,12 @@ def rotary() -> Callable | None:
     return torch.ops.kvcache.rotary if _loaded()[0] else None
 
 
+def rms_norm() -> Callable | None:
+    """The RMSNorm op (`rms_norm(x, weight, eps)`, float32 rounding of
+    `computed.model.layers.RMSNorm`'s torch ops), or None as `paged_decode()`."""
+    return torch.ops.kvcache.rms_norm if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -73,7 +80,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "paged_flash"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "rms_norm"):
         return True, None
     try:
         from torch.utils import cpp_extension

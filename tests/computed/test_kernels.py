@@ -206,6 +206,38 @@ def test_linear_refuses_bad_inputs(linear, x, weight, bias, message: str) -> Non
 
 
 @pytest.fixture(scope="module")
+def rms_norm():
+    return _built(kernels.rms_norm())
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(1, 256), (8, 256), (16, 13), (3, 8, 32), (5, 1)])
+def test_rms_norm_matches_torch(rms_norm, shape) -> None:
+    from computed.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    norm = RMSNorm(shape[-1], 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    x64 = x.double()
+    want = norm.weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = rms_norm(x, norm.weight, 1e-6)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # the module takes the op for a decode step's rows
+        assert torch.equal(norm(x), got)
+    assert torch.equal(rms_norm(x[:1], norm.weight, 1e-6), got[:1])  # a row alone: the same
+
+
+@needs_compiler
+def test_rms_norm_refuses_bad_inputs(rms_norm) -> None:
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous of shape \(8,\)"):
+        rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8), 1e-6)
+
+
+@pytest.fixture(scope="module")
 def rotary():
     return _built(kernels.rotary())
 
