@@ -28,15 +28,10 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# At most this many tokens (a decode step) take the native norm: there torch's seven small
-# ops cost their dispatch, 95 -> about 10 us a norm (8 x 256); longer inputs keep them.
-NATIVE_NORM_MAX_ROWS = 16
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back (as Hugging Face does);
-    a decode step's few float32 CPU rows in one native call (`kvcache::rms_norm`, float32
-    rounding of the same ops)."""
+    float32 CPU inputs in one native call (`kvcache::rms_norm`: the same arithmetic, its own
+    summation order), where torch dispatches seven ops."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -47,8 +42,6 @@ class RMSNorm(nn.Module):
         if (
             x.dtype == torch.float32
             and x.device.type == "cpu"
-            and x.dim() >= 2
-            and x.shape[0] <= NATIVE_NORM_MAX_ROWS  # tokens (Qwen3's q/k norms: (T, H, D))
             and x.is_contiguous()
             and self.weight.dtype == torch.float32
         ):
