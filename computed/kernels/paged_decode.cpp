@@ -3,7 +3,9 @@
 //
 // Why: a decode step's K/V reads are memory-bound on CPU. Gathering each item's slots
 // into a padded tensor for torch's flash kernel reads the context twice and writes it
-// once; this kernel reads each key and value once. Measured with
+// once; this kernel reads each key and value once. The softmax runs 8 keys at a time in
+// base 2 (a scalar exp per score cost 10-15% of the call: 64 items x 1,100 keys 7.9 ->
+// 6.9 ms, 8 x 1,513 1.14 -> 0.96 ms, hot). Measured with
 // `python -m bench.attention_kernels` and `python -m bench --only peer` (BENCHMARKS.md).
 //
 // kvcache::paged_decode(q, keys, values, key_slots, key_lens, scale) -> (out, lse)
@@ -23,14 +25,54 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
 
 namespace {
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+// 2^x per lane for x <= 0; x < -126 gives 0 (as paged_flash.cpp's, which says how).
+inline v8 exp2_neg(v8 x) {
+  const v8 big = splat(12582912.f);
+  v8i keep = x >= splat(-126.f);
+  x = x < splat(-126.f) ? splat(-126.f) : x;
+  v8 n = (x + big) - big;
+  v8 f = x - n;
+  v8 p = splat(1.5403530393381606e-4f);
+  p = p * f + splat(1.3333558146428443e-3f);
+  p = p * f + splat(9.6181291076284772e-3f);
+  p = p * f + splat(5.5504108664821580e-2f);
+  p = p * f + splat(2.4022650695910071e-1f);
+  p = p * f + splat(6.9314718055994531e-1f);
+  p = p * f + splat(1.f);
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v8 r = p * scale;
+  v8i ri;
+  std::memcpy(&ri, &r, sizeof(ri));
+  ri &= keep;
+  std::memcpy(&r, &ri, sizeof(r));
+  return r;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 // One item: its query heads (H, D) against len keys, all K/V heads at once, so each
 // slot's K row (Hkv * D floats, contiguous) and V row are read once and in order.
+// Scores are kept per head, (H, len padded to 8), in base 2 (the query is scaled by
+// scale * log2 e): the softmax then runs 8 keys at a time, a vectorised 2^x instead of a
+// scalar exp per score (which cost as much as reading the keys).
 // DIM > 0 is the head size known at compile time (unrolled, vectorised); 0: `dim`.
 template <int DIM>
 void attend_item(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t len,
@@ -38,10 +80,12 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
                  std::vector<float>& scores, std::vector<float>& query, std::vector<float>& acc) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   const int64_t group = heads / kv_heads, row = kv_heads * dim;
-  scores.resize(len * heads);  // (len, H)
+  const int64_t padded = (len + 7) / 8 * 8;
+  scores.resize(heads * padded);  // (H, padded)
   query.resize(heads * dim);
   acc.assign(heads * dim, 0.f);
-  for (int64_t a = 0; a < heads * dim; ++a) query[a] = q[a] * scale;
+  const float qscale = scale * kLog2e;
+  for (int64_t a = 0; a < heads * dim; ++a) query[a] = q[a] * qscale;
   float* __restrict sc = scores.data();
   const float* __restrict qs = query.data();
   // Pass 1: scores, keys read once.
@@ -53,25 +97,38 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
-      sc[j * heads + head] = s;
+      sc[head * padded + j] = s;
     }
   }
-  // Softmax weights, per head.
-  std::vector<float> maxes(heads, -std::numeric_limits<float>::infinity()), sums(heads, 0.f);
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t head = 0; head < heads; ++head) maxes[head] = std::max(maxes[head], sc[j * heads + head]);
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t head = 0; head < heads; ++head) {
-      const float w = std::exp(sc[j * heads + head] - maxes[head]);
-      sc[j * heads + head] = w;
-      sums[head] += w;
+  // Softmax weights, per head, 8 keys at a time (padding lanes get weight 0).
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> maxes(heads), sums(heads);
+  for (int64_t head = 0; head < heads; ++head) {
+    float* __restrict sh = sc + head * padded;
+    for (int64_t j = len; j < padded; ++j) sh[j] = neg_inf;
+    v8 mv = splat(neg_inf);
+    for (int64_t j = 0; j < padded; j += 8) {
+      const v8 x = load(sh + j);
+      mv = x > mv ? x : mv;
     }
+    float mx = mv[0];
+    for (int lane = 1; lane < 8; ++lane) mx = std::max(mx, mv[lane]);
+    v8 sum = {};
+    const v8 mxv = splat(mx);
+    for (int64_t j = 0; j < padded; j += 8) {
+      const v8 e = exp2_neg(load(sh + j) - mxv);
+      store(sh + j, e);
+      sum += e;
+    }
+    maxes[head] = mx;
+    sums[head] = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+  }
   // Pass 2: weighted values, values read once.
   float* __restrict ac = acc.data();
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict v = vp + slots[j] * row;
     for (int64_t head = 0; head < heads; ++head) {
-      const float w = sc[j * heads + head];
+      const float w = sc[head * padded + j];
       const float* __restrict vh = v + (head / group) * dim;
       float* __restrict ah = ac + head * dim;
 #pragma omp simd
@@ -81,7 +138,7 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   for (int64_t head = 0; head < heads; ++head) {
     const float inv = 1.f / sums[head];
     for (int64_t d = 0; d < dim; ++d) out[head * dim + d] = ac[head * dim + d] * inv;
-    lse[head] = maxes[head] + std::log(sums[head]);
+    lse[head] = (maxes[head] + std::log2(sums[head])) * kLn2;
   }
 }
 
