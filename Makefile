@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # computed's native CPU decode kernel, built once here so no daemon start waits for it.
-$(VENV)/.kernels: $(VENV)/.installed $(wildcard computed/kernels/*.cpp)
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard computed/kernels/*.cpp computed/kernels/*.h)
 	$(BIN)/python -m computed.kernels
 	touch $@
 

@@ -297,9 +297,11 @@ def _attend_tile(
                 tile.key_lens,
                 scale,
             )
-        if flash is not None:  # several queries per item (prefill chunks, shared segments)
+        if flash is not None and head_dim % 8 == 0 and group <= 64:
+            # Several queries per item (prefill chunks, shared segments); the op takes head
+            # sizes that are a multiple of 8 and at most 64 query heads per K/V head.
             o, lse = flash(
-                q[tile.query_rows],  # (I, Qm, H, D)
+                q[tile.query_rows].contiguous(),  # (I, Qm, H, D)
                 pool_keys,
                 pool_values,
                 tile.key_slots.view(items, width_k),

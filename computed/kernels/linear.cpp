@@ -9,10 +9,10 @@
 // linear block, on the 2-core bench machine, from cold caches: 8 x 256 -> 688 0.32 ->
 // 0.19 ms, 8 x 256 -> 4,096 1.43 -> 0.84 ms; a chat decode step of the default model
 // (8 rows) 18-23% less time.
-// Numerics: float32 accumulation in 8 lane-wise partial sums added in a fixed order, so a
-// row's result does not depend on the other rows of the batch (MKL's does: it takes
-// another path for one or two rows); it agrees with F.linear to float32 rounding, not bit
-// for bit.
+// Numerics: float32 accumulation in 8 lane-wise partial sums added in a fixed order, so
+// up to 16 rows a row's result does not depend on the other rows of the batch (MKL's does:
+// it takes another path for one or two rows; from 17 rows on, MKL computes it again, to
+// its own rounding); it agrees with F.linear to float32 rounding, not bit for bit.
 //
 // Wide products (N >= kMinSplitColumns, the vocabulary projection): MKL runs a short,
 // wide product on about one core. Giving each thread a block of output columns keeps
@@ -36,19 +36,19 @@
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstring>
 #include <optional>
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
+using namespace kvcache_vec;
 
 // At most this many rows take the dot-product kernel (measured: MKL wins from 32 rows on).
 constexpr int64_t kSmallRows = 16;
 
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 
 // out[r, c] = x[r, :] . w[c, :] for R rows of x (row stride k) and C rows of w.
 template <int R, int C>
@@ -125,8 +125,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "linear takes contiguous tensors");
   const int64_t n = weight.size(0);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "bias must be float32 of shape (", n, ",)");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be contiguous float32 of shape (", n, ",)");
   }
   if (x.size(0) <= kSmallRows) return small_linear(x, weight, bias);
   const int64_t parts = n < kMinSplitColumns ? 1 : std::min<int64_t>(at::get_num_threads(), n / kColumnAlign);

@@ -23,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,41 +34,7 @@
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef int v8i __attribute__((vector_size(32)));
-
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
-inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-// 2^x per lane for x <= 0; x < -126 gives 0 (as paged_flash.cpp's, which says how).
-inline v8 exp2_neg(v8 x) {
-  const v8 big = splat(12582912.f);
-  v8i keep = x >= splat(-126.f);
-  x = x < splat(-126.f) ? splat(-126.f) : x;
-  v8 n = (x + big) - big;
-  v8 f = x - n;
-  v8 p = splat(1.5403530393381606e-4f);
-  p = p * f + splat(1.3333558146428443e-3f);
-  p = p * f + splat(9.6181291076284772e-3f);
-  p = p * f + splat(5.5504108664821580e-2f);
-  p = p * f + splat(2.4022650695910071e-1f);
-  p = p * f + splat(6.9314718055994531e-1f);
-  p = p * f + splat(1.f);
-  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  v8 r = p * scale;
-  v8i ri;
-  std::memcpy(&ri, &r, sizeof(ri));
-  ri &= keep;
-  std::memcpy(&r, &ri, sizeof(r));
-  return r;
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using namespace kvcache_vec;
 
 // One item: its query heads (H, D) against len keys, all K/V heads at once, so each
 // slot's K row (Hkv * D floats, contiguous) and V row are read once and in order.
@@ -149,21 +117,13 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
     const at::Tensor& key_slots,
     const at::Tensor& key_lens,
     double scale) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q, keys, values must be 3-d");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat,
-              "paged_decode takes float32");
-  TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
-              "key_slots and key_lens must be int64");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() &&
-                  key_slots.is_contiguous() && key_lens.is_contiguous(),
-              "paged_decode takes contiguous tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_decode takes q (I, H, D), float32, contiguous");
   const int64_t items = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t num_slots = keys.size(0), kv_heads = keys.size(1);
-  TORCH_CHECK(keys.size(2) == dim && values.sizes() == keys.sizes(), "K/V shapes disagree with q");
-  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
-  TORCH_CHECK(key_slots.dim() == 2 && key_slots.size(0) == items && key_lens.size(0) == items,
-              "key_slots (I, Lm) and key_lens (I,) must match q's I");
+  check_paged_inputs("paged_decode", keys, values, key_slots, key_lens, items);
+  const int64_t kv_heads = keys.size(1);
+  TORCH_CHECK(keys.size(2) == dim, "K/V shapes disagree with q");
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
   const int64_t width = key_slots.size(1);
 
   at::Tensor out = at::empty({items, heads, dim}, q.options());
@@ -175,13 +135,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
   const int64_t* lens = key_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  for (int64_t i = 0; i < items; ++i) {
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width, "key_lens[", i, "] = ", lens[i], " outside 1..", width);
-    for (int64_t j = 0; j < lens[i]; ++j) {
-      const int64_t slot = slots[i * width + j];
-      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the pool of ", num_slots);
-    }
-  }
   const float fscale = static_cast<float>(scale);
 
   // One task per item. Inputs are checked above: nothing may throw in the parallel region.

@@ -19,12 +19,15 @@
 //   out       (I, Qm, H, D)   float32, softmax(q k^T * scale) v per query head
 //   lse       (I, Qm, H)      float32, natural log-sum-exp of the scaled scores
 // Query head h reads K/V head h / (H / Hkv). Rows past an item's real queries get finite
-// values (every row sees key 0); callers drop them.
+// values (every row sees key 0); callers drop them. A NaN score gets weight 0 here (the
+// vector max and 2^x skip it) where torch's kernel would propagate it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -36,44 +39,10 @@
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef int v8i __attribute__((vector_size(32)));
-
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
-inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-// 2^x per lane, x <= 0 (scores minus their row max); x < -126 gives 0. Degree-6 series of
-// e^(f ln 2) on f in [-0.5, 0.5] (relative error about 1e-7, float32 rounding).
-inline v8 exp2_neg(v8 x) {
-  const v8 big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8i keep = x >= splat(-126.f);
-  x = x < splat(-126.f) ? splat(-126.f) : x;
-  v8 n = (x + big) - big;
-  v8 f = x - n;
-  v8 p = splat(1.5403530393381606e-4f);
-  p = p * f + splat(1.3333558146428443e-3f);
-  p = p * f + splat(9.6181291076284772e-3f);
-  p = p * f + splat(5.5504108664821580e-2f);
-  p = p * f + splat(2.4022650695910071e-1f);
-  p = p * f + splat(6.9314718055994531e-1f);
-  p = p * f + splat(1.f);
-  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  v8 r = p * scale;
-  v8i ri;
-  std::memcpy(&ri, &r, sizeof(ri));
-  ri &= keep;
-  std::memcpy(&r, &ri, sizeof(r));
-  return r;
-}
+using namespace kvcache_vec;
 
 constexpr int kBlockKeys = 64;   // keys per block (a multiple of the 32-key score tile)
 constexpr int kBlockRows = 64;   // query rows per unit (positions x group)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shape {
@@ -240,33 +209,18 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
 std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Tensor& keys,
                                                const at::Tensor& values, const at::Tensor& key_slots,
                                                const at::Tensor& key_lens, bool causal, double scale) {
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "q must be 4-d, keys and values 3-d");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat,
-              "paged_flash takes float32");
-  TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
-              "key_slots and key_lens must be int64");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() &&
-                  key_slots.is_contiguous() && key_lens.is_contiguous(),
-              "paged_flash takes contiguous tensors");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_flash takes q (I, Qm, H, D), float32, contiguous");
+  const int64_t items = q.size(0);
+  check_paged_inputs("paged_flash", keys, values, key_slots, key_lens, items);
   Shape sh{q.size(1), q.size(2), keys.size(1), q.size(3), key_slots.size(1), 0};
-  const int64_t items = q.size(0), num_slots = keys.size(0);
-  TORCH_CHECK(keys.size(2) == sh.dim && values.sizes() == keys.sizes(), "K/V shapes disagree with q");
+  TORCH_CHECK(keys.size(2) == sh.dim, "K/V shapes disagree with q");
   TORCH_CHECK(sh.dim % 8 == 0, "paged_flash needs a head size that is a multiple of 8, got ", sh.dim);
-  TORCH_CHECK(sh.heads % sh.kv_heads == 0, "query heads must be a multiple of K/V heads");
+  TORCH_CHECK(sh.kv_heads >= 1 && sh.heads % sh.kv_heads == 0, "query heads must be a multiple of K/V heads");
   sh.group = sh.heads / sh.kv_heads;
   TORCH_CHECK(sh.group <= kBlockRows, "at most ", kBlockRows, " query heads per K/V head");
-  TORCH_CHECK(key_slots.dim() == 2 && key_slots.size(0) == items && key_lens.size(0) == items,
-              "key_slots (I, Lm) and key_lens (I,) must match q's I");
   const int64_t* slots = key_slots.data_ptr<int64_t>();
   const int64_t* lens = key_lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < items; ++i) {
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= sh.width, "key_lens[", i, "] = ", lens[i], " outside 1..", sh.width);
-    for (int64_t j = 0; j < lens[i]; ++j) {
-      const int64_t slot = slots[i * sh.width + j];
-      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the pool of ", num_slots);
-    }
-  }
   at::Tensor out = at::empty({items, sh.queries, sh.heads, sh.dim}, q.options());
   at::Tensor lse = at::empty({items, sh.queries, sh.heads}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -276,7 +230,8 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
   float* lp = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  // Rows no unit covers (an item's padding rows) are zero, lse -inf.
+  // Causal items' padding rows past the last block of real positions are zero, lse -inf
+  // (rows inside it get finite values); callers drop every padding row.
   if (causal) {
     out.zero_();
     lse.fill_(kNegInf);

@@ -19,14 +19,14 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <cmath>
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
+using namespace kvcache_vec;
 
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm takes float32");

@@ -15,7 +15,7 @@ class Linear(nn.Linear):
     decode step's few rows (at most 16) by a native dot-product kernel, each thread on its
     own block of output columns, where MKL streams the weights through one core (a chat
     decode step of the default model 18-23% less time; within float32 rounding of
-    `F.linear`, and a row's result independent of the rest of the batch); a wide output (the
+    `F.linear`, and, up to 16 rows, a row's result independent of the rest of the batch); a wide output (the
     vocabulary projection) split by columns across torch's threads, bit-identical to
     `F.linear` (`python -m bench.attention_kernels`, linear block: 8 x 256 -> 4,096 1.26
     -> 0.69 ms). Elsewhere it is `F.linear`."""
@@ -44,6 +44,7 @@ class RMSNorm(nn.Module):
             and x.device.type == "cpu"
             and x.is_contiguous()
             and self.weight.dtype == torch.float32
+            and self.weight.is_contiguous()
         ):
             op = kernels.rms_norm()
             if op is not None:

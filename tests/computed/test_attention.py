@@ -83,8 +83,9 @@ def test_random_steps_match_dense_attention(
         assert kernels.paged_decode() is not None, (
             f"the native decode kernel did not build: {kernels.error()}"
         )
-    else:
+    else:  # torch's kernels only: neither native op
         monkeypatch.setattr(kernels, "paged_decode", lambda: None)
+        monkeypatch.setattr(kernels, "paged_flash", lambda: None)
     if path == "matmul":
         monkeypatch.setattr(attention, "_FLASH_CPU", None)
     rng = random.Random(seed)

@@ -87,7 +87,8 @@ def _dense(q, k, v, causal: bool, scale: float):
 @needs_compiler
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32)]
+    ("heads", "kv_heads", "dim"),
+    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32), (6, 2, 40), (16, 1, 80)],
 )
 def test_flash_matches_dense_attention(
     paged_flash, causal: bool, heads: int, kv_heads: int, dim: int
@@ -108,6 +109,20 @@ def test_flash_matches_dense_attention(
         want_out, want_lse = _dense(q[i, :rows], k, v, causal, dim**-0.5)
         torch.testing.assert_close(out[i, :rows], want_out, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse[i, :rows], want_lse, atol=2e-5, rtol=2e-5)
+
+
+@needs_compiler
+def test_flash_one_query_per_item_causal(paged_flash) -> None:
+    """Qm = 1, causal: each item's only row sees key 0 alone."""
+    gen = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(2, 64, 2, 8, generator=gen).unbind(0)
+    q = torch.randn(3, 1, 4, 8, generator=gen)
+    slots = torch.randint(0, 64, (3, 5), generator=gen)
+    out, lse = paged_flash(q, keys, values, slots, torch.tensor([5, 1, 3]), True, 0.5)
+    for i in range(3):
+        want_out, want_lse = _dense(q[i], keys[slots[i, :1]], values[slots[i, :1]], True, 0.5)
+        torch.testing.assert_close(out[i], want_out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse[i], want_lse, atol=2e-5, rtol=2e-5)
 
 
 @needs_compiler
@@ -197,7 +212,12 @@ def test_linear_few_rows_is_close_and_batch_invariant(
         (torch.zeros(2, 8), torch.zeros(4, 7), None, "x has 8 columns, weight 7"),
         (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), None, "float32"),
         (torch.zeros(8, 2).t(), torch.zeros(4, 8), None, "contiguous"),
-        (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(3), r"bias must be float32 of shape \(4,\)"),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(4, 8),
+            torch.zeros(3),
+            r"bias must be contiguous float32 of shape \(4,\)",
+        ),
     ],
 )
 def test_linear_refuses_bad_inputs(linear, x, weight, bias, message: str) -> None:

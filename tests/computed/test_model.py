@@ -611,8 +611,10 @@ def test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention() ->
 
 def test_cascade_fallback_without_the_fused_cpu_kernel(monkeypatch) -> None:
     """The einsum path (used off CPU or in other dtypes) gives the same answers."""
-    from computed import attention
+    from computed import attention, kernels
 
     monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    monkeypatch.setattr(kernels, "paged_decode", lambda: None)
+    monkeypatch.setattr(kernels, "paged_flash", lambda: None)
     test_cascade_decode_over_shared_blocks_matches_dense_attention()
     test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention()

@@ -1,0 +1,76 @@
+// Shared by the native CPU kernels: 8-lane float vectors (GCC/Clang vector extensions,
+// so one source builds for AVX2, AVX-512 and NEON with `-march=native`), a base-2
+// exponential for softmax weights, and the checks of a paged kernel's K/V inputs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvcache_vec {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
+typedef int v8i __attribute__((vector_size(32)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x per lane for x <= 0 (scores minus their row max); x < -126 gives 0. Degree-6 series
+// of e^(f ln 2) on f in [-0.5, 0.5] (relative error about 1e-7, float32 rounding).
+inline v8 exp2_neg(v8 x) {
+  const v8 big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8i keep = x >= splat(-126.f);
+  x = x < splat(-126.f) ? splat(-126.f) : x;
+  v8 n = (x + big) - big;
+  v8 f = x - n;
+  v8 p = splat(1.5403530393381606e-4f);
+  p = p * f + splat(1.3333558146428443e-3f);
+  p = p * f + splat(9.6181291076284772e-3f);
+  p = p * f + splat(5.5504108664821580e-2f);
+  p = p * f + splat(2.4022650695910071e-1f);
+  p = p * f + splat(6.9314718055994531e-1f);
+  p = p * f + splat(1.f);
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v8 r = p * scale;
+  v8i ri;
+  std::memcpy(&ri, &r, sizeof(ri));
+  ri &= keep;
+  std::memcpy(&r, &ri, sizeof(r));
+  return r;
+}
+
+// A paged kernel's K/V inputs: float32 contiguous keys/values (S, Hkv, D) shaped alike,
+// int64 contiguous key_slots (I, Lm) and key_lens (I,), every item reading 1..Lm keys of
+// slots inside the pool. `name` is the op, for the messages.
+inline void check_paged_inputs(const char* name, const at::Tensor& keys, const at::Tensor& values,
+                               const at::Tensor& key_slots, const at::Tensor& key_lens, int64_t items) {
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes(), name, ": keys and values must be (S, Hkv, D) alike");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, name, " takes float32");
+  TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
+              "key_slots and key_lens must be int64");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && key_slots.is_contiguous() && key_lens.is_contiguous(),
+              name, " takes contiguous tensors");
+  TORCH_CHECK(key_slots.dim() == 2 && key_slots.size(0) == items && key_lens.dim() == 1 && key_lens.size(0) == items,
+              "key_slots (I, Lm) and key_lens (I,) must match q's I");
+  const int64_t width = key_slots.size(1), num_slots = keys.size(0);
+  const int64_t* slots = key_slots.data_ptr<int64_t>();
+  const int64_t* lens = key_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width, "key_lens[", i, "] = ", lens[i], " outside 1..", width);
+    for (int64_t j = 0; j < lens[i]; ++j) {
+      const int64_t slot = slots[i * width + j];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the pool of ", num_slots);
+    }
+  }
+}
+
+}  // namespace kvcache_vec
