@@ -12,7 +12,10 @@ def main() -> int:
     if op is None:
         print(f"native CPU kernels unavailable ({kernels.error()}); computed uses torch's kernels")
         return 0
-    print("native CPU kernels ready: kvcache::paged_decode, kvcache::linear, kvcache::rotary")
+    print(
+        "native CPU kernels ready: kvcache::paged_decode, kvcache::paged_flash, kvcache::linear, "
+        "kvcache::rotary, kvcache::rms_norm"
+    )
     return 0
 
 
