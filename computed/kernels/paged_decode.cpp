@@ -74,22 +74,8 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   for (int64_t head = 0; head < heads; ++head) {
     float* __restrict sh = sc + head * padded;
     for (int64_t j = len; j < padded; ++j) sh[j] = neg_inf;
-    v8 mv = splat(neg_inf);
-    for (int64_t j = 0; j < padded; j += 8) {
-      const v8 x = load(sh + j);
-      mv = x > mv ? x : mv;
-    }
-    float mx = mv[0];
-    for (int lane = 1; lane < 8; ++lane) mx = std::max(mx, mv[lane]);
-    v8 sum = {};
-    const v8 mxv = splat(mx);
-    for (int64_t j = 0; j < padded; j += 8) {
-      const v8 e = exp2_neg(load(sh + j) - mxv);
-      store(sh + j, e);
-      sum += e;
-    }
-    maxes[head] = mx;
-    sums[head] = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+    maxes[head] = max_of(sh, padded, neg_inf);
+    sums[head] = exp2_weights(sh, padded, maxes[head]);
   }
   // Pass 2: weighted values, values read once.
   float* __restrict ac = acc.data();

@@ -166,28 +166,14 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
       if (r >= rows) visible = std::min<int64_t>(nk, 1);
       for (int64_t j = visible; j < nk_padded; ++j) sr[j] = kNegInf;
       // Row max over the block, 8 lanes at a time (a scalar max chain costs ~4 cycles a key).
-      v8 mv = splat(m[r]);
-      for (int64_t j = 0; j < nk_padded; j += 8) {
-        const v8 x = load(sr + j);
-        mv = x > mv ? x : mv;
-      }
-      float mx = mv[0];
-      for (int lane = 1; lane < 8; ++lane) mx = std::max(mx, mv[lane]);
+      const float mx = max_of(sr, nk_padded, m[r]);
       if (mx == kNegInf) {  // nothing visible yet in this row
         for (int64_t j = 0; j < nk_padded; ++j) sr[j] = 0.f;
         continue;
       }
       const float correction = m[r] == kNegInf ? 0.f : std::exp2(m[r] - mx);
       m[r] = mx;
-      v8 sum = {};
-      const v8 mxv = splat(mx);
-      for (int64_t j = 0; j < nk_padded; j += 8) {
-        const v8 e = exp2_neg(load(sr + j) - mxv);
-        store(sr + j, e);
-        sum += e;
-      }
-      float total = 0.f;
-      for (int lane = 0; lane < 8; ++lane) total += sum[lane];
+      const float total = exp2_weights(sr, nk_padded, mx);
       l[r] = l[r] * correction + total;
       if (correction != 1.f) {
         float* orow = o + r * dim;

@@ -4,6 +4,8 @@ batch-invariant within them), and their input checks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -154,6 +156,23 @@ def linear():
     return _built(kernels.linear())
 
 
+def _linear_inputs(rows: int, out_features: int, in_features: int):
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    return x, weight, torch.randn(out_features, generator=gen)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [17, 64, 300])
@@ -161,19 +180,12 @@ def linear():
 def test_linear_is_bit_identical_to_torch(linear, threads, rows, out_features, in_features) -> None:
     """Past a decode step's rows: MKL, whole or split by columns, which leaves every
     output element the same dot product: equal, not close."""
-    gen = torch.Generator().manual_seed(rows * out_features + in_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
-    bias = torch.randn(out_features, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    x, weight, bias = _linear_inputs(rows, out_features, in_features)
+    with _threads(threads):
         assert torch.equal(linear(x, weight, None), torch.nn.functional.linear(x, weight))
         assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
         with torch.inference_mode():  # as the model runs it: the worker threads must inherit the mode
             assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_compiler
@@ -187,22 +199,14 @@ def test_linear_few_rows_is_close_and_batch_invariant(
 ) -> None:
     """A decode step's rows: the native dot-product kernel, within float32 rounding of
     F.linear, and each row's result the same whatever else is in the batch."""
-    gen = torch.Generator().manual_seed(rows * out_features + in_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
-    bias = torch.randn(out_features, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            out = linear(x, weight, bias)
-            want = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
-            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-            for row in range(rows):  # alone, as a step of one sequence computes it
-                assert torch.equal(linear(x[row : row + 1], weight, bias), out[row : row + 1])
-            assert torch.equal(linear(x, weight, None) + bias, out)
-    finally:
-        torch.set_num_threads(before)
+    x, weight, bias = _linear_inputs(rows, out_features, in_features)
+    with _threads(threads), torch.inference_mode():
+        out = linear(x, weight, bias)
+        want = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        for row in range(rows):  # alone, as a step of one sequence computes it
+            assert torch.equal(linear(x[row : row + 1], weight, bias), out[row : row + 1])
+        assert torch.equal(linear(x, weight, None) + bias, out)
 
 
 @needs_compiler
