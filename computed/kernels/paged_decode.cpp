@@ -3,9 +3,10 @@
 //
 // Why: a decode step's K/V reads are memory-bound on CPU. Gathering each item's slots
 // into a padded tensor for torch's flash kernel reads the context twice and writes it
-// once; this kernel reads each key and value once. The softmax runs 8 keys at a time in
-// base 2 (a scalar exp per score cost 10-15% of the call: 64 items x 1,100 keys 7.9 ->
-// 6.9 ms, 8 x 1,513 1.14 -> 0.96 ms, hot). Measured with
+// once; this kernel reads each key and value once, asking for the rows a block ahead
+// (see kAhead). Scores are laid out key-major, 8 query heads to a vector, so the dot
+// products of 8 heads are summed across lanes together and the softmax runs 8 heads at a
+// time down the keys, with no horizontal sum per score. Measured with
 // `python -m bench.attention_kernels` and `python -m bench --only peer` (BENCHMARKS.md).
 //
 // kvcache::paged_decode(q, keys, values, key_slots, key_lens, scale) -> (out, lse)
@@ -36,11 +37,38 @@ namespace {
 
 using namespace kvcache_vec;
 
+// Keys ahead that a pass asks the memory system for (one block of the default size). The
+// slots jump from block to block, and the hardware prefetcher only follows a new stream
+// after a few misses: without these hints a pass waited on memory at about half the
+// machine's streaming bandwidth (8 x 1,513 keys 1.06 -> 0.76 ms, 64 x 1,100 7.5 -> 5.4 ms;
+// 8, 16 and 32 keys ahead measured alike, 64 worse).
+constexpr int64_t kAhead = 16;
+
+// Prefetch one pool row (row floats, one K/V head after another) into cache.
+inline void prefetch_row(const float* p, int64_t row) {
+  for (int64_t b = 0; b < row; b += 16) __builtin_prefetch(p + b, 0, 0);
+}
+
+// Sum of each of 8 vectors, as one vector: lane t = sum of p[t]'s lanes.
+inline v8 transpose_sum(const v8* p) {
+  // Adjacent-pair sums within 128-bit halves (the hadd pattern), three levels.
+  auto hadd = [](v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  const v8 t0 = hadd(p[0], p[1]), t1 = hadd(p[2], p[3]), t2 = hadd(p[4], p[5]), t3 = hadd(p[6], p[7]);
+  const v8 u0 = hadd(t0, t1), u1 = hadd(t2, t3);
+  // u0 = [p0..p3 low-half sums | p0..p3 high-half sums], u1 the same for p4..p7.
+  return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 // One item: its query heads (H, D) against len keys, all K/V heads at once, so each
 // slot's K row (Hkv * D floats, contiguous) and V row are read once and in order.
-// Scores are kept per head, (H, len padded to 8), in base 2 (the query is scaled by
-// scale * log2 e): the softmax then runs 8 keys at a time, a vectorised 2^x instead of a
-// scalar exp per score (which cost as much as reading the keys).
+// Scores are kept key-major, (len, H rounded up to 8), in base 2 (the query is scaled by
+// scale * log2 e): one vector holds 8 heads' scores of a key, so the softmax runs 8 heads
+// at a time down the keys with a vectorised 2^x (a scalar exp per score cost as much as
+// reading the keys). Sums run in a fixed order: float32 rounding, batch-independent.
 // DIM > 0 is the head size known at compile time (unrolled, vectorised); 0: `dim`.
 template <int DIM>
 void attend_item(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t len,
@@ -48,45 +76,67 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
                  std::vector<float>& scores, std::vector<float>& query, std::vector<float>& acc) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   const int64_t group = heads / kv_heads, row = kv_heads * dim;
-  const int64_t padded = (len + 7) / 8 * 8;
-  scores.resize(heads * padded);  // (H, padded)
-  query.resize(heads * dim);
+  const int64_t hp = (heads + 7) / 8 * 8;  // score columns: heads rounded up to whole vectors
+  scores.resize(len * hp);  // (len, hp): key-major, a vector holds 8 heads' scores of one key
+  query.assign(hp * dim, 0.f);
   acc.assign(heads * dim, 0.f);
   const float qscale = scale * kLog2e;
   for (int64_t a = 0; a < heads * dim; ++a) query[a] = q[a] * qscale;
   float* __restrict sc = scores.data();
   const float* __restrict qs = query.data();
-  // Pass 1: scores, keys read once.
+  // Pass 1: scores, keys read once; 8 heads' dot products summed across lanes together.
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict k = kp + slots[j] * row;
-    for (int64_t head = 0; head < heads; ++head) {
-      const float* __restrict kh = k + (head / group) * dim;
-      const float* __restrict qh = qs + head * dim;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
-      sc[head * padded + j] = s;
+    if (j + kAhead < len) prefetch_row(kp + slots[j + kAhead] * row, row);
+    for (int64_t h0 = 0; h0 < hp; h0 += 8) {
+      v8 p[8];
+      for (int t = 0; t < 8; ++t) {
+        const int64_t head = std::min(h0 + t, heads - 1);  // lanes past the heads: ignored
+        const float* __restrict kh = k + (head / group) * dim;
+        const float* __restrict qh = qs + (h0 + t) * dim;
+        v8 s = {};
+        int64_t d = 0;
+        for (; d + 8 <= dim; d += 8) s += load(qh + d) * load(kh + d);
+        float tail = 0.f;
+        for (; d < dim; ++d) tail += qh[d] * kh[d];
+        s[0] += tail;
+        p[t] = s;
+      }
+      store(sc + j * hp + h0, transpose_sum(p));
     }
   }
-  // Softmax weights, per head, 8 keys at a time (padding lanes get weight 0).
+  // Softmax weights, 8 heads per vector, over the keys in order.
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> maxes(heads), sums(heads);
-  for (int64_t head = 0; head < heads; ++head) {
-    float* __restrict sh = sc + head * padded;
-    for (int64_t j = len; j < padded; ++j) sh[j] = neg_inf;
-    maxes[head] = max_of(sh, padded, neg_inf);
-    sums[head] = exp2_weights(sh, padded, maxes[head]);
+  std::vector<float> maxes(hp), sums(hp);
+  for (int64_t h0 = 0; h0 < hp; h0 += 8) {
+    v8 mv = splat(neg_inf);
+    for (int64_t j = 0; j < len; ++j) {
+      const v8 x = load(sc + j * hp + h0);
+      mv = x > mv ? x : mv;
+    }
+    v8 sv = {};
+    for (int64_t j = 0; j < len; ++j) {
+      const v8 e = exp2_neg(load(sc + j * hp + h0) - mv);
+      store(sc + j * hp + h0, e);
+      sv += e;
+    }
+    store(maxes.data() + h0, mv);
+    store(sums.data() + h0, sv);
   }
   // Pass 2: weighted values, values read once.
   float* __restrict ac = acc.data();
+  for (int64_t j = 0; j < std::min(kAhead, len); ++j) prefetch_row(vp + slots[j] * row, row);
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict v = vp + slots[j] * row;
+    if (j + kAhead < len) prefetch_row(vp + slots[j + kAhead] * row, row);
+    const float* __restrict w = sc + j * hp;
     for (int64_t head = 0; head < heads; ++head) {
-      const float w = sc[head * padded + j];
       const float* __restrict vh = v + (head / group) * dim;
       float* __restrict ah = ac + head * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) ah[d] += w * vh[d];
+      const v8 wv = splat(w[head]);
+      int64_t d = 0;
+      for (; d + 8 <= dim; d += 8) store(ah + d, load(ah + d) + wv * load(vh + d));
+      for (; d < dim; ++d) ah[d] += w[head] * vh[d];
     }
   }
   for (int64_t head = 0; head < heads; ++head) {

@@ -30,7 +30,7 @@ def paged_decode():
 
 @needs_compiler
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32)]
+    ("heads", "kv_heads", "dim"), [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32), (4, 2, 20), (12, 4, 40)]
 )
 def test_matches_dense_attention(paged_decode, heads: int, kv_heads: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
