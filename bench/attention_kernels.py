@@ -12,7 +12,8 @@ rows over a shared prefix, cascaded (the segment as one item) against flat (each
 it in its own item), as `computed.attention` runs them; and the default model's linear
 layers through `F.linear` (MKL) against the native column-split `kvcache::linear`; and
 tiles of several queries per item as a step runs them: gather + torch's flash kernel
-("fold", or "repeat" where causal) against the native paged flash kernel. The
+("fold", or "repeat" where causal) against the native paged flash kernel; and the merge
+of rows read through several tiles, torch's ops against the native merge. The
 choices in `computed/attention.py` and `computed/model/layers.py` cite this table.
 """
 
@@ -98,6 +99,7 @@ def main() -> None:
     flash()
     linear()
     rotary()
+    merge()
 
 
 FLASH_TILES = [  # (what, items, queries, keys, causal)
@@ -220,6 +222,33 @@ def linear() -> None:
                 if op is not None:
                     row += f", native {cold(lambda x=x, w=w: op(x, w, None)):.3f}"
             print(row)
+
+
+MERGES = [  # (what, rows, partials per row)
+    ("chat prefill step: segment + context + new", 1009, 3),
+    ("shared-prefix decode step: segment + private", 64, 2),
+    ("shared-prefix prefill step: segment + new", 2048, 2),
+]
+
+
+def merge() -> None:
+    """Rows read through several tiles: torch's merge (`computed.attention._merge`) against
+    the native `kvcache::merge_partials`, both from the tiles' whole results."""
+    from computed import kernels
+    from computed.attention import _merge
+
+    op = kernels.merge_partials()
+    if op is None:
+        print(f"merge: native kernel unavailable ({kernels.error()})")
+        return
+    print(f"{'merge of partials':48} {'rows x depth':>14} {'torch':>8} {'native':>8} {'ratio':>6}  (ms)")
+    for what, rows, depth in MERGES:
+        outs = [torch.randn(rows, HEADS, DIM) for _ in range(depth)]
+        lses = [torch.randn(rows, HEADS) for _ in range(depth)]
+        index = (torch.arange(depth)[None, :] * rows + torch.arange(rows)[:, None]).contiguous()
+        before = timed(lambda o=outs, l=lses, i=index: _merge(o, l, i))
+        after = timed(lambda o=outs, l=lses, i=index: op(o, l, i))
+        print(f"{what:48} {f'{rows} x {depth}':>14} {before:8.2f} {after:8.2f} {before / after:6.2f}")
 
 
 def rotary() -> None:

@@ -151,7 +151,7 @@ class AttentionBatch:
     tiles: tuple[Tile, ...] = ()
     # Runs of blocks shared by several sequences, read once per step (cascade); may be empty.
     shared_prefixes: tuple[Segment, ...] = ()
-    # (T, depth) int64 partials of each query row, P = none (see AttentionPlan.merge_index).
+    # (T, depth) int64 partials of each query row, R = none (see AttentionPlan.merge_index).
     merge_index: torch.Tensor | None = None
 
     @property
@@ -263,16 +263,17 @@ def paged_attention(
     keys = key_cache.view(-1, num_kv_heads * head_dim)  # (N * B, Hkv * D): one row per slot
     values = value_cache.view(-1, num_kv_heads * head_dim)
 
-    outs, lses = [], []
-    for tile in batch.tiles:
-        o, lse = _attend_tile(q, keys, values, tile, num_kv_heads, scale)  # (I*Qm, H, D), (I*Qm, H)
-        outs.append(o.index_select(0, tile.valid))
-        lses.append(lse.index_select(0, tile.valid) if batch.needs_merge else None)
+    results = [_attend_tile(q, keys, values, tile, num_kv_heads, scale) for tile in batch.tiles]
     if not batch.needs_merge:  # one partial per query row: place them
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        for tile, o in zip(batch.tiles, outs):
-            out.index_copy_(0, tile.valid_rows, o)
+        for tile, (o, _) in zip(batch.tiles, results):
+            out.index_copy_(0, tile.valid_rows, o.index_select(0, tile.valid))
         return out.to(q.dtype)
+    outs = [o.contiguous() for o, _ in results]  # (I*Qm, H, D) each, float32
+    lses = [lse.contiguous() for _, lse in results]  # (I*Qm, H)
+    merge = kernels.merge_partials() if q.device.type == "cpu" else None
+    if merge is not None and all(o.dtype == torch.float32 for o in outs):
+        return merge(outs, lses, batch.merge_index).to(q.dtype)
     return _merge(outs, lses, batch.merge_index).to(q.dtype)
 
 
@@ -361,8 +362,9 @@ def _attend_tile_matmul(
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """out[r] = sum_p exp(lse_p - m_r) o_p / sum_p exp(lse_p - m_r), m_r = max_p lse_p, over
-    the partials p of row r. Dense gathers, no scatter: `index` (T, depth) names each row's
-    partials, the sentinel P (zeros, lse -inf) weighing nothing."""
+    the partials p of row r (what `kvcache::merge_partials` computes on CPU). Dense gathers,
+    no scatter: `index` (T, depth) names each row's partials among the tiles' results
+    concatenated, the sentinel R (zeros, lse -inf) weighing nothing."""
     o = torch.cat([*outs, outs[0].new_zeros(1, *outs[0].shape[1:])])  # (P + 1, H, D)
     lse = torch.cat([*lses, lses[0].new_full((1, lses[0].shape[1]), float("-inf"))])  # (P + 1, H)
     num_tokens, depth = index.shape

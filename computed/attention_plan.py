@@ -84,8 +84,8 @@ class AttentionPlan:
     tiles: tuple[TilePlan, ...]
     segments: tuple[Segment, ...]
     # (T, depth) int64 when some query row has more than one partial: row r's partials
-    # are entries merge_index[r] of the tiles' real results concatenated in tile order,
-    # P (one past the last) marking "no partial" (a sentinel with log-sum-exp -inf).
+    # are rows merge_index[r] of the tiles' whole results (I * Qm rows each, padding
+    # included) concatenated in tile order, R (their total) marking "no partial".
     merge_index: np.ndarray | None
 
     @property
@@ -211,11 +211,15 @@ def _merge_index(tiles: tuple[TilePlan, ...], num_rows: int) -> np.ndarray | Non
     rows = np.concatenate([t.valid_rows for t in tiles])
     if len(rows) == num_rows:
         return None  # one partial per row
+    # Where each real result sits among the tiles' whole results, concatenated.
+    sizes = [t.query_rows.size for t in tiles]
+    offsets = np.cumsum([0, *sizes[:-1]])
+    places = np.concatenate([t.valid + offset for t, offset in zip(tiles, offsets)])
     order = np.argsort(rows, kind="stable")
     counts = np.bincount(rows, minlength=num_rows)
     rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # k-th partial of its row
-    index = np.full((num_rows, int(counts.max())), len(rows), dtype=np.int64)
-    index[rows[order], rank] = order
+    index = np.full((num_rows, int(counts.max())), sum(sizes), dtype=np.int64)
+    index[rows[order], rank] = places[order]
     return index
 
 

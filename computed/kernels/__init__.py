@@ -2,8 +2,9 @@
 
 `paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
 `paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp), `linear()` the `torch.ops.kvcache.linear` op (linear.cpp), `rotary()` the
-`torch.ops.kvcache.rotary` op (rotary.cpp) and `rms_norm()` the `torch.ops.kvcache.rms_norm`
-op (rms_norm.cpp), or None where they cannot be built (no C++
+`torch.ops.kvcache.rotary` op (rotary.cpp), `rms_norm()` the `torch.ops.kvcache.rms_norm`
+op (rms_norm.cpp) and `merge_partials()` the `torch.ops.kvcache.merge_partials` op
+(merge.cpp), or None where they cannot be built (no C++
 compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers then keep
 torch's own kernels, which give the same results (attention up to float rounding, linear
 and rotary bit for bit). The build (about a minute on two cores) is cached under
@@ -23,7 +24,14 @@ import torch
 
 SOURCES = tuple(
     Path(__file__).resolve().parent / name
-    for name in ("paged_decode.cpp", "paged_flash.cpp", "linear.cpp", "rotary.cpp", "rms_norm.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "paged_flash.cpp",
+        "linear.cpp",
+        "rotary.cpp",
+        "rms_norm.cpp",
+        "merge.cpp",
+    )
 )
 ENV = "COMPUTED_CPU_KERNELS"
 
@@ -67,6 +75,13 @@ def rms_norm() -> Callable | None:
     return torch.ops.kvcache.rms_norm if _loaded()[0] else None
 
 
+def merge_partials() -> Callable | None:
+    """The merge op for rows read through several tiles (`merge_partials(outs, lses, index)
+    -> out`, the log-sum-exp weighted mean of each row's partials), or None as
+    `paged_decode()`."""
+    return torch.ops.kvcache.merge_partials if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -80,7 +95,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "rms_norm"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "merge_partials"):
         return True, None
     try:
         from torch.utils import cpp_extension

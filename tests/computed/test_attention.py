@@ -83,9 +83,10 @@ def test_random_steps_match_dense_attention(
         assert kernels.paged_decode() is not None, (
             f"the native decode kernel did not build: {kernels.error()}"
         )
-    else:  # torch's kernels only: neither native op
+    else:  # torch's kernels only: no native attention op
         monkeypatch.setattr(kernels, "paged_decode", lambda: None)
         monkeypatch.setattr(kernels, "paged_flash", lambda: None)
+        monkeypatch.setattr(kernels, "merge_partials", lambda: None)
     if path == "matmul":
         monkeypatch.setattr(attention, "_FLASH_CPU", None)
     rng = random.Random(seed)

@@ -30,7 +30,8 @@ def paged_decode():
 
 @needs_compiler
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32), (4, 2, 20), (12, 4, 40)]
+    ("heads", "kv_heads", "dim"),
+    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32), (4, 2, 20), (12, 4, 40)],
 )
 def test_matches_dense_attention(paged_decode, heads: int, kv_heads: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
@@ -298,3 +299,54 @@ def test_rotary_refuses_mismatched_shapes(rotary) -> None:
         rotary(torch.zeros(3, 2, 6), torch.zeros(3, 1, 8), cos, cos)
     with pytest.raises(RuntimeError, match="sin must be contiguous float32 shaped like cos"):
         rotary(torch.zeros(3, 2, 8), torch.zeros(3, 1, 8), cos, torch.zeros(3, 4))
+
+
+@pytest.fixture(scope="module")
+def merge_partials():
+    return _built(kernels.merge_partials())
+
+
+@needs_compiler
+@pytest.mark.parametrize(("heads", "dim"), [(8, 32), (3, 20)])
+def test_merge_partials_matches_torch_merge(merge_partials, heads: int, dim: int) -> None:
+    from computed.attention import _merge
+
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    sizes = [5, 9, 4]  # three tiles' whole results, padding rows included
+    outs = [torch.randn(n, heads, dim, generator=gen) for n in sizes]
+    lses = [torch.randn(n, heads, generator=gen) * 4 for n in sizes]
+    total = sum(sizes)
+    # Row r's partials among the 18 rows concatenated; 18 = no partial (the sentinel).
+    index = torch.tensor([[0, 5, 14], [1, total, total], [13, 6, total], [total, 17, 2], [8, 9, 10]])
+    out = merge_partials(outs, lses, index)
+    torch.testing.assert_close(out, _merge(outs, lses, index), atol=1e-6, rtol=1e-5)
+    # A single partial is passed through; weights follow the log-sum-exps.
+    torch.testing.assert_close(out[1], outs[0][1])
+    big = [lse.clone() for lse in lses]
+    big[0][0] += 60.0  # row 0's first partial dominates every head
+    torch.testing.assert_close(merge_partials(outs, big, index)[0], outs[0][0], atol=1e-6, rtol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ([[0, 9]], "index entry 9 outside 0..8"),
+        ([[-1, 0]], "index entry -1 outside"),
+    ],
+)
+def test_merge_partials_rejects_bad_index(merge_partials, index, message: str) -> None:
+    outs, lses = [torch.randn(8, 2, 8)], [torch.randn(8, 2)]
+    with pytest.raises(RuntimeError, match=message):
+        merge_partials(outs, lses, torch.tensor(index))
+
+
+@needs_compiler
+def test_merge_partials_rejects_mismatched_tiles(merge_partials) -> None:
+    index = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="lse tile 0 must be"):
+        merge_partials([torch.randn(4, 2, 8)], [torch.randn(3, 2)], index)
+    with pytest.raises(RuntimeError, match="output tile 1 must be"):
+        merge_partials(
+            [torch.randn(4, 2, 8), torch.randn(4, 3, 8)], [torch.randn(4, 2), torch.randn(4, 3)], index
+        )

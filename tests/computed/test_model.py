@@ -616,5 +616,6 @@ def test_cascade_fallback_without_the_fused_cpu_kernel(monkeypatch) -> None:
     monkeypatch.setattr(attention, "_FLASH_CPU", None)
     monkeypatch.setattr(kernels, "paged_decode", lambda: None)
     monkeypatch.setattr(kernels, "paged_flash", lambda: None)
+    monkeypatch.setattr(kernels, "merge_partials", lambda: None)
     test_cascade_decode_over_shared_blocks_matches_dense_attention()
     test_cascade_prefill_chunks_after_a_shared_prefix_match_dense_attention()
