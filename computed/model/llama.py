@@ -14,7 +14,7 @@ from torch import nn
 from computed.attention import AttentionBatch, paged_attention
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
-from computed.model.layers import Linear, RMSNorm, SwiGLU
+from computed.model.layers import Linear, RMSNorm, SwiGLU, fuse_rows, linear
 from computed.model.rope import RotaryEmbedding, apply_rotary_qk
 
 
@@ -36,16 +36,29 @@ class Attention(nn.Module):
         if config.has_qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.split_sizes = [q_size, kv_size, kv_size]
+        # (q_size + 2 * kv_size, hidden): q's rows, k's, v's, once `fuse()` ran.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """q, k and v as one product (see `fuse_rows`)."""
+        self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # column blocks of one (T, q_size + 2 * kv_size) product
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+            # Contiguous, as the unfused products are: the norm then takes its native kernel.
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = apply_rotary_qk(q, k, cos, sin)
         out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -98,6 +111,13 @@ class CausalLM(nn.Module):
         """Share the embedding matrix with the output head when the config says so."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Each layer's q/k/v and gate/up products as one each (`fuse_rows`: the same
+        results, parameters unchanged by name and value). Call once loaded on the device."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:

@@ -66,6 +66,7 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the embedding; point the head at the new one
     model.requires_grad_(False).eval()
+    model.fuse_projections()
     return LoadedModel(
         model=model,
         config=config,

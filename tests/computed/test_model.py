@@ -396,6 +396,40 @@ def test_loader_identity_and_tied_head(tiny_models: TinyModels) -> None:
     assert not any(p.is_meta for p in loaded.model.parameters())
 
 
+def test_fused_projections_keep_parameters_and_results(checkpoint: Path) -> None:
+    """The loader fuses q/k/v and gate/up into one product each: the checkpoint's
+    parameters keep their names and values as views of the fused weight, and a forward
+    gives bit for bit what the separate products give."""
+    loaded = ours(checkpoint)
+    layer = loaded.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert torch.equal(attn.qkv_weight[attn.split_sizes[0] :][: attn.split_sizes[1]], attn.k_proj.weight)
+    assert torch.equal(mlp.gate_up_weight[mlp.intermediate_size :], mlp.up_proj.weight)
+    assert "model.layers.0.self_attn.qkv_weight" not in loaded.model.state_dict()
+    tensors = load_file(checkpoint / "model.safetensors")
+    state = loaded.model.state_dict()
+    for name, tensor in tensors.items():
+        assert torch.equal(state[name], tensor.float()), name
+    ids = random_prompt(19, seed=3)
+
+    def logits() -> torch.Tensor:
+        runner = Paged(loaded)
+        batch = AttentionBatch.build([SpanInput(runner.allocate(len(ids)), 0, len(ids))], 4, CPU)
+        return runner.model.compute_logits(runner.model(torch.tensor(ids), batch, runner.pool))
+
+    fused = logits()
+    for module in loaded.model.modules():  # back to one product per projection
+        for name in ("qkv_weight", "qkv_bias", "gate_up_weight"):
+            if getattr(module, name, None) is not None:
+                setattr(module, name, None)
+    try:
+        assert torch.equal(logits(), fused)
+    finally:
+        loaded.model.fuse_projections()
+
+
 def test_revision_changes_with_the_weights(tiny_models: TinyModels, tmp_path: Path) -> None:
     a, b = tiny_models.get("qwen2", seed=0), tiny_models.get("qwen2", seed=1)
     assert ours(a).revision != ours(b).revision
