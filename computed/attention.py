@@ -43,6 +43,7 @@ devices and dtypes use the float32 matmul path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,7 +98,6 @@ class Tile:
 
     query_rows: torch.Tensor  # (I, Qm) int64
     key_slots: torch.Tensor  # (I * Lm,) int64, item-major
-    key_bias: torch.Tensor | None  # (I, 1, 1, Lm) float32: 0 for a real key, -inf for padding
     key_lens: torch.Tensor  # (I,) int64 real keys per item
     causal: bool
     valid: torch.Tensor  # (P,) int64 into the flattened (I * Qm) results
@@ -105,30 +105,36 @@ class Tile:
     num_items: int
     num_queries: int  # Qm
     num_keys: int  # Lm
+    host_key_lens: np.ndarray  # key_lens on the host
+
+    @functools.cached_property
+    def key_bias(self) -> torch.Tensor | None:
+        """(I, 1, 1, Lm) float32: 0 for a real key, -inf for padding; None where no item
+        has padding keys (causal tiles never do). Built on first use, once per step: only
+        torch's kernels read it (the native ones take `key_lens`)."""
+        if self.causal or bool((self.host_key_lens >= self.num_keys).all()):
+            return None
+        padding = np.arange(self.num_keys)[None, :] >= self.host_key_lens[:, None]  # (I, Lm)
+        return (
+            torch.zeros(self.num_items, 1, 1, self.num_keys)
+            .masked_fill_(torch.from_numpy(padding)[:, None, None, :], float("-inf"))
+            .to(self.key_lens.device)
+        )
 
     @classmethod
     def from_plan(cls, plan: TilePlan, device: torch.device) -> Tile:
         num_items, width_q = plan.query_rows.shape
-        width_k = plan.key_slots.shape[1]
-        bias = None
-        if plan.needs_key_mask:
-            padding = np.arange(width_k)[None, :] >= plan.key_lens[:, None]  # (I, Lm)
-            bias = (
-                torch.zeros(num_items, 1, 1, width_k)
-                .masked_fill_(torch.from_numpy(padding)[:, None, None, :], float("-inf"))
-                .to(device)
-            )
         return cls(
             query_rows=torch.from_numpy(plan.query_rows).to(device),
             key_slots=torch.from_numpy(plan.key_slots.reshape(-1)).to(device),
-            key_bias=bias,
             key_lens=torch.from_numpy(plan.key_lens).to(device),
             causal=plan.causal,
             valid=torch.from_numpy(plan.valid).to(device),
             valid_rows=torch.from_numpy(plan.valid_rows).to(device),
             num_items=num_items,
             num_queries=width_q,
-            num_keys=width_k,
+            num_keys=plan.key_slots.shape[1],
+            host_key_lens=plan.key_lens,
         )
 
 

@@ -62,11 +62,6 @@ class TilePlan:
     valid: np.ndarray  # (P,) int64 positions in the flattened (I * Qm) results that are real
     valid_rows: np.ndarray  # (P,) int64 flat query row of each real result
 
-    @property
-    def needs_key_mask(self) -> bool:
-        """Some item has fewer keys than the tile is wide (causal tiles never need one)."""
-        return not self.causal and bool((self.key_lens < self.key_slots.shape[1]).any())
-
 
 @dataclass(frozen=True)
 class Segment:
@@ -117,9 +112,7 @@ def find_segments(tables: np.ndarray, shareable: np.ndarray) -> list[Segment]:
         differs = (rest != rest[0]).any(axis=0)
         run = int(differs.argmax()) if differs.any() else rest.shape[1]
         if run > 0 and rest[0, 0] >= 0:
-            segments.append(
-                Segment(tuple(int(m) for m in members), depth, run, tuple(int(b) for b in rest[0, :run]))
-            )
+            segments.append(Segment(tuple(members.tolist()), depth, run, tuple(rest[0, :run].tolist())))
         depth += run
         if depth >= width:
             continue
@@ -235,22 +228,17 @@ def _decode_tiles(
     per span, built for all of them at once (the common decode step)."""
     if len(spans) == 0:
         return ()
-    begins = covered[spans] * block_size
-    key_lens = contexts[spans] - begins
-    buckets = np.array([_ceil_pow2(int(n)) for n in key_lens])
+    key_lens = contexts[spans] - covered[spans] * block_size
+    buckets = _ceil_pow2_all(key_lens)
     tiles = []
     for bucket in np.unique(buckets):
         chosen = np.flatnonzero(buckets == bucket)
         members, lens = spans[chosen], key_lens[chosen]
-        width = int(lens.max())
-        # Padding repeats the last real key (never seen: masked by key_lens).
-        positions = begins[chosen, None] + np.minimum(np.arange(width)[None, :], lens[:, None] - 1)  # (I, Lm)
-        blocks = np.take_along_axis(tables[members], positions // block_size, axis=1)
         rows = starts[members]
         tiles.append(
             TilePlan(
                 query_rows=rows[:, None],
-                key_slots=blocks * block_size + positions % block_size,
+                key_slots=_context_slots(tables[members], covered[members], lens, block_size),
                 key_lens=lens,
                 causal=False,
                 valid=np.arange(len(members), dtype=np.int64),
@@ -258,6 +246,27 @@ def _decode_tiles(
             )
         )
     return tuple(tiles)
+
+
+def _context_slots(
+    tables: np.ndarray, first_blocks: np.ndarray, lens: np.ndarray, block_size: int
+) -> np.ndarray:
+    """(I, max(lens)) int64: the pool slots of row i's keys from its block `first_blocks[i]`
+    on; padding repeats the row's last real slot. Whole blocks are expanded at once, the
+    rows sliced together where they start at the same block (a decode step's usual case:
+    a recorded chat step's plan 0.41 -> 0.15 ms)."""
+    width = int(lens.max())
+    num_blocks = -(-width // block_size)
+    if (first_blocks == first_blocks[0]).all():
+        blocks = tables[:, first_blocks[0] : first_blocks[0] + num_blocks]
+    else:
+        columns = np.minimum(first_blocks[:, None] + np.arange(num_blocks), tables.shape[1] - 1)
+        blocks = np.take_along_axis(tables, columns, axis=1)
+    slots = (blocks[:, :, None] * block_size + np.arange(block_size)).reshape(len(lens), -1)[:, :width]
+    if (lens < width).any():  # padding reads a real key of its row (never an unwritten slot)
+        last = slots[np.arange(len(lens)), lens - 1]
+        slots = np.where(np.arange(width)[None, :] < lens[:, None], slots, last[:, None])
+    return np.ascontiguousarray(slots)
 
 
 def _rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -305,3 +314,8 @@ def _tile(items: list[_Item]) -> tuple[TilePlan, ...]:
 
 def _ceil_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _ceil_pow2_all(n: np.ndarray) -> np.ndarray:
+    """`_ceil_pow2` of every entry (n >= 1): frexp's exponent of n - 1 is its bit length."""
+    return np.left_shift(1, np.frexp(np.maximum(n - 1, 0).astype(np.float64))[1].astype(np.int64))
