@@ -254,7 +254,7 @@ def _context_slots(
     """(I, max(lens)) int64: the pool slots of row i's keys from its block `first_blocks[i]`
     on; padding repeats the row's last real slot. Whole blocks are expanded at once, the
     rows sliced together where they start at the same block (a decode step's usual case:
-    a recorded chat step's plan 0.41 -> 0.15 ms)."""
+    a recorded chat step's plan 0.41 -> 0.24 ms)."""
     width = int(lens.max())
     num_blocks = -(-width // block_size)
     if (first_blocks == first_blocks[0]).all():
