@@ -99,9 +99,11 @@ class PrefixLeaders:
         return seq.cache_salt, seq.public_prefix_tokens, tuple(seq.token_ids[: self.block_size])
 
     def _shares_more_than(self, a: list[int], b: list[int], num_blocks: int) -> bool:
-        """Whether the two token lists share more than `num_blocks` full leading blocks."""
-        end = (num_blocks + 1) * self.block_size
-        return min(len(a), len(b)) >= end and a[:end] == b[:end]
+        """Whether the two token lists share more than `num_blocks` full leading blocks.
+        Block `num_blocks` is compared first: requests behind a common prefix usually part
+        there, and one block is cheap where the whole prefix is a long slice compare."""
+        begin, end = num_blocks * self.block_size, (num_blocks + 1) * self.block_size
+        return min(len(a), len(b)) >= end and a[begin:end] == b[begin:end] and a[:begin] == b[:begin]
 
     def _common_blocks(self, a: list[int], b: list[int], at_most: int) -> int:
         """Full leading blocks the two token lists share, capped at `at_most` (one C-speed

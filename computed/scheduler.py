@@ -141,6 +141,8 @@ class Scheduler:
         prefix an admitted sequence is still computing waits for it (PrefixLeaders) and
         hits those blocks a step later; later requests with other prefixes go ahead."""
         admits: list[AdmitOp] = []
+        if not self.waiting:
+            return admits  # the common decode step: nothing to admit, no prefixes to weigh
         budget = self._num_available_blocks
         if budget is not None:
             budget -= sum(1 for g in ops.grows)
