@@ -87,6 +87,10 @@ class _Request:
     held_tokens: list[int] = field(default_factory=list)
     held_text: list[str] = field(default_factory=list)
 
+    def sends_now(self, first: bool) -> bool:
+        """Whether the next token's chunk leaves at once (else it is held)."""
+        return first or self.stream_interval == 1 or len(self.held_tokens) + 1 >= self.stream_interval
+
     def send(self, token: int, text: str, first: bool) -> None:
         """Queue one token's chunk now, or hold it for the next message."""
         if first or self.stream_interval == 1:
@@ -401,7 +405,8 @@ class Engine:
             if self.observer is not None:
                 self.observer.on_first_token(req.first_token_at - req.arrival)
         token = seq.token_ids[-1]
-        text, hit_stop = req.output.push(token)
+        # A held chunk needs its text only when it leaves: decode then (or at the end).
+        text, hit_stop = req.output.push(token, defer=not req.sends_now(first) and not seq.is_finished)
         if hit_stop and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
         req.send(token, text, first)

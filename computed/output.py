@@ -10,6 +10,14 @@ class TokenDecoder(Protocol):
     def flush(self) -> str: ...
 
 
+def _push_all(decoder: TokenDecoder, token_ids: list[int]) -> str:
+    """Several ids at once: one decode where the decoder can (`push_many`), else one each."""
+    push_many = getattr(decoder, "push_many", None)
+    if push_many is not None:
+        return push_many(token_ids)
+    return "".join(decoder.push(token_id) for token_id in token_ids)
+
+
 class OutputText:
     """Text emitted so far never contains a stop string and never splits a character.
 
@@ -23,10 +31,21 @@ class OutputText:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""
         self._emitted = 0
+        self._deferred: list[int] = []  # ids whose text nobody has asked for yet
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Add a token; returns (text to emit now, whether a stop string was hit)."""
-        self._text += self._decoder.push(token_id)
+    def push(self, token_id: int, defer: bool = False) -> tuple[str, bool]:
+        """Add a token; returns (text to emit now, whether a stop string was hit).
+
+        `defer=True` (the caller holds this token's chunk back) only queues the id when no
+        stop string is set: its text comes with the next push that is not deferred, or
+        with `finish`, decoded together (detokenizing is ~7 us a token, a tenth of a
+        64-stream decode step's host work). The text emitted in total is the same."""
+        if defer and not self._stop:
+            self._deferred.append(token_id)
+            return "", False
+        self._deferred.append(token_id)
+        self._text += _push_all(self._decoder, self._deferred)
+        self._deferred = []
         if self._stop:
             search_from = max(0, self._emitted - self._hold)
             hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
@@ -37,6 +56,9 @@ class OutputText:
 
     def finish(self, stopped: bool) -> str:
         """The held-back tail (nothing more when a stop string ended the text)."""
+        if self._deferred:  # ids held without text: their text is owed (stop strings defer nothing)
+            self._text += _push_all(self._decoder, self._deferred)
+            self._deferred = []
         if not stopped:
             self._text += self._decoder.flush()
         return self._take(len(self._text))

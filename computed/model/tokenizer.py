@@ -142,6 +142,12 @@ class IncrementalDecoder:
         delta = self._delta()
         return "" if delta.endswith("\ufffd") else self._advance(delta)
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """Add several ids; one decode for all of them (the same text, in total, as a push each)."""
+        self._ids.extend(token_ids)
+        delta = self._delta()
+        return "" if delta.endswith("\ufffd") else self._advance(delta)
+
     def flush(self) -> str:
         """At the end of the stream: whatever is still held back (a truncated character decodes to U+FFFD)."""
         return self._advance(self._delta())

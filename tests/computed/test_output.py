@@ -60,3 +60,43 @@ def test_streaming_equals_one_shot(text, stops):
             want, want_stopped = text[: min(hits)], True
             break
     assert (got, stopped) == (want, want_stopped)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcé€", max_size=30), st.lists(st.booleans(), max_size=30), st.booleans())
+def test_deferred_tokens_give_the_same_text(text, defers, stopped):
+    """A token pushed with defer=True (its chunk held back) gets its text with the next
+    undeferred push or at finish, also when the request ends early: the same text in total."""
+    out = OutputText(CharDecoder(), ())
+    pieces = []
+    for i, ch in enumerate(text):
+        piece, hit = out.push(ord(ch), defer=i < len(defers) and defers[i])
+        assert not hit
+        pieces.append(piece)
+    pieces.append(out.finish(stopped))
+    assert "".join(pieces) == text
+
+
+def test_stop_strings_decode_every_token_even_when_deferred():
+    out = OutputText(CharDecoder(), ("b",))
+    assert out.push(ord("a"), defer=True) == ("a", False)
+    assert out.push(ord("b"), defer=True) == ("", True)
+
+
+def test_incremental_decoder_many_ids_at_once_equals_one_each():
+    import random
+
+    from computed.config import DEFAULT_MODEL_DIR
+    from computed.model.tokenizer import IncrementalDecoder, Tokenizer
+
+    tokenizer = Tokenizer(DEFAULT_MODEL_DIR)
+    rng = random.Random(5)
+    ids = [
+        rng.randrange(3, tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else 4096)
+        for _ in range(50)
+    ]
+    one_each = IncrementalDecoder(tokenizer)
+    want = "".join(one_each.push(i) for i in ids) + one_each.flush()
+    grouped = IncrementalDecoder(tokenizer)
+    got = "".join(grouped.push_many(ids[k : k + 7]) for k in range(0, len(ids), 7)) + grouped.flush()
+    assert got == want == tokenizer.decode(ids, skip_special_tokens=True)
