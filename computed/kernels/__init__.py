@@ -3,8 +3,8 @@
 `paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
 `paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp), `linear()` the `torch.ops.kvcache.linear` op (linear.cpp), `rotary()` the
 `torch.ops.kvcache.rotary` op (rotary.cpp), `rms_norm()` the `torch.ops.kvcache.rms_norm`
-op (rms_norm.cpp) and `merge_partials()` the `torch.ops.kvcache.merge_partials` op
-(merge.cpp), or None where they cannot be built (no C++
+op (rms_norm.cpp), `merge_partials()` the `torch.ops.kvcache.merge_partials` op
+(merge.cpp) and `silu_mul()` the `torch.ops.kvcache.silu_mul` op (silu_mul.cpp), or None where they cannot be built (no C++
 compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers then keep
 torch's own kernels, which give the same results (attention up to float rounding, linear
 and rotary bit for bit). The build (about a minute on two cores) is cached under
@@ -31,6 +31,7 @@ SOURCES = tuple(
         "rotary.cpp",
         "rms_norm.cpp",
         "merge.cpp",
+        "silu_mul.cpp",
     )
 )
 ENV = "COMPUTED_CPU_KERNELS"
@@ -82,6 +83,12 @@ def merge_partials() -> Callable | None:
     return torch.ops.kvcache.merge_partials if _loaded()[0] else None
 
 
+def silu_mul() -> Callable | None:
+    """SwiGLU's activation from the fused gate/up product (`silu_mul(x) -> silu(gate) *
+    up`, float32 rounding of torch's two ops), or None as `paged_decode()`."""
+    return torch.ops.kvcache.silu_mul if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -95,7 +102,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "merge_partials"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "silu_mul"):
         return True, None
     try:
         from torch.utils import cpp_extension

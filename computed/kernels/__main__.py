@@ -14,7 +14,7 @@ def main() -> int:
         return 0
     print(
         "native CPU kernels ready: kvcache::paged_decode, kvcache::paged_flash, kvcache::linear, "
-        "kvcache::rotary, kvcache::rms_norm, kvcache::merge_partials"
+        "kvcache::rotary, kvcache::rms_norm, kvcache::merge_partials, kvcache::silu_mul"
     )
     return 0
 

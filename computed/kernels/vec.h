@@ -22,14 +22,12 @@ inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// 2^x per lane for x <= 0 (scores minus their row max); x < -126 gives 0. Degree-6 series
-// of e^(f ln 2) on f in [-0.5, 0.5] (relative error about 1e-7, float32 rounding).
-inline v8 exp2_neg(v8 x) {
+// 2^t per lane for t in [-126, 126] (callers clamp). Degree-6 series of e^(f ln 2) on f in
+// [-0.5, 0.5] (relative error about 1e-7, float32 rounding), scaled by 2^round(t).
+inline v8 exp2_core(v8 t) {
   const v8 big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8i keep = x >= splat(-126.f);
-  x = x < splat(-126.f) ? splat(-126.f) : x;
-  v8 n = (x + big) - big;
-  v8 f = x - n;
+  v8 n = (t + big) - big;
+  v8 f = t - n;
   v8 p = splat(1.5403530393381606e-4f);
   p = p * f + splat(1.3333558146428443e-3f);
   p = p * f + splat(9.6181291076284772e-3f);
@@ -40,12 +38,28 @@ inline v8 exp2_neg(v8 x) {
   v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
   v8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  v8 r = p * scale;
+  return p * scale;
+}
+
+// 2^x per lane for x <= 0 (scores minus their row max); x < -126 gives 0.
+inline v8 exp2_neg(v8 x) {
+  v8i keep = x >= splat(-126.f);
+  x = x < splat(-126.f) ? splat(-126.f) : x;
+  v8 r = exp2_core(x);
   v8i ri;
   std::memcpy(&ri, &r, sizeof(ri));
   ri &= keep;
   std::memcpy(&r, &ri, sizeof(r));
   return r;
+}
+
+// e^x per lane for any finite x, the exponent clamped to [-126, 126] in base 2 (so about
+// 1e-38 below x = -87 and 1e38 above 87: finite, where e^x would under- or overflow).
+inline v8 exp_any(v8 x) {
+  v8 t = x * splat(kLog2e);
+  t = t < splat(-126.f) ? splat(-126.f) : t;
+  t = t > splat(126.f) ? splat(126.f) : t;
+  return exp2_core(t);
 }
 
 // The largest of `init` and s[0..n), n a multiple of 8 (NaN lanes are skipped).

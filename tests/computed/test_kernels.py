@@ -350,3 +350,23 @@ def test_merge_partials_rejects_mismatched_tiles(merge_partials) -> None:
         merge_partials(
             [torch.randn(4, 2, 8), torch.randn(4, 3, 8)], [torch.randn(4, 2), torch.randn(4, 3)], index
         )
+
+
+@needs_compiler
+@pytest.mark.parametrize(("rows", "width"), [(1, 688), (64, 688), (3, 13), (17, 8)])
+def test_silu_mul_matches_torch(rows: int, width: int) -> None:
+    op = _built(kernels.silu_mul())
+    gen = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, 2 * width, generator=gen) * 6
+    x[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 0.0])  # past e^x's float32 range both ways
+    gate, up = x.split(width, dim=-1)
+    torch.testing.assert_close(op(x), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+@needs_compiler
+def test_silu_mul_rejects_odd_or_strided_input() -> None:
+    op = _built(kernels.silu_mul())
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        op(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        op(torch.randn(8, 4).t())
