@@ -44,8 +44,7 @@ class OutputText:
             self._deferred.append(token_id)
             return "", False
         self._deferred.append(token_id)
-        self._text += _push_all(self._decoder, self._deferred)
-        self._deferred = []
+        self._drain()
         if self._stop:
             search_from = max(0, self._emitted - self._hold)
             hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
@@ -56,12 +55,16 @@ class OutputText:
 
     def finish(self, stopped: bool) -> str:
         """The held-back tail (nothing more when a stop string ended the text)."""
-        if self._deferred:  # ids held without text: their text is owed (stop strings defer nothing)
-            self._text += _push_all(self._decoder, self._deferred)
-            self._deferred = []
+        self._drain()  # ids held without text: their text is owed (stop strings defer nothing)
         if not stopped:
             self._text += self._decoder.flush()
         return self._take(len(self._text))
+
+    def _drain(self) -> None:
+        """Decode the deferred ids into the text, together."""
+        if self._deferred:
+            self._text += _push_all(self._decoder, self._deferred)
+            self._deferred = []
 
     def _take(self, upto: int) -> str:
         if upto <= self._emitted:

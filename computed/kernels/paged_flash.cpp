@@ -41,6 +41,31 @@ namespace {
 
 using namespace kvcache_vec;
 
+// The largest of `init` and s[0..n), n a multiple of 8 (NaN lanes are skipped).
+inline float max_of(const float* s, int64_t n, float init) {
+  v8 mv = splat(init);
+  for (int64_t j = 0; j < n; j += 8) {
+    const v8 x = load(s + j);
+    mv = x > mv ? x : mv;
+  }
+  float mx = mv[0];
+  for (int lane = 1; lane < 8; ++lane) mx = mv[lane] > mx ? mv[lane] : mx;
+  return mx;
+}
+
+// Softmax weights in base 2, in place: s[j] = 2^(s[j] - mx) for j < n (a multiple of 8;
+// -inf scores get 0). Returns their sum, added in a fixed order.
+inline float exp2_weights(float* s, int64_t n, float mx) {
+  v8 sum = {};
+  const v8 mxv = splat(mx);
+  for (int64_t j = 0; j < n; j += 8) {
+    const v8 e = exp2_neg(load(s + j) - mxv);
+    store(s + j, e);
+    sum += e;
+  }
+  return ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+}
+
 constexpr int kBlockKeys = 64;   // keys per block (a multiple of the 32-key score tile)
 constexpr int kBlockRows = 64;   // query rows per unit (positions x group)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
