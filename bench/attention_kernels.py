@@ -10,7 +10,7 @@ decode rows as a step runs them, 4 layers from cold caches: gather + "fold" agai
 `computed.kernels`' native paged decode kernel, which reads the pool in place; decode
 rows over a shared prefix, cascaded (the segment as one item) against flat (each row reads
 it in its own item), as `computed.attention` runs them; and the default model's linear
-layers through `F.linear` (MKL) against the native column-split `kvcache::linear`; and
+layers through `F.linear` (MKL) against the native `kvcache::packed_linear`; and
 tiles of several queries per item as a step runs them: gather + torch's flash kernel
 ("fold", or "repeat" where causal) against the native paged flash kernel; and the merge
 of rows read through several tiles, torch's ops against the native merge. The
@@ -190,15 +190,17 @@ def cascade(layers: int = 4) -> None:
 
 
 def linear() -> None:
-    """The default model's linear layers (256 hidden, 688 MLP, 4,096 vocabulary), hot and,
-    for a decode step's rows, from cold caches (as a step finds them after its K/V reads)."""
+    """The default model's products (the fused q/k/v, o, the fused gate/up, down and the
+    vocabulary projection), hot and from cold caches (as a decode step finds its weights
+    after its K/V reads): `F.linear` (MKL) against `kvcache::packed_linear` on a weight
+    packed once. Sums per layer-and-head set show what a step pays."""
     import torch.nn.functional as F
 
     from computed import kernels
 
-    op = kernels.linear()
+    pack, op = kernels.pack_linear_weight(), kernels.packed_linear()
     print(
-        f"linear layers, x (M, K) W^T: F.linear vs native kvcache::linear ({kernels.error() or 'built'}) (ms)"
+        f"linear layers, x (M, K) W^T: F.linear vs native kvcache::packed_linear ({kernels.error() or 'built'}) (ms)"
     )
     junk = torch.zeros(48 * 2**20 // 4)
 
@@ -211,17 +213,25 @@ def linear() -> None:
             total += time.perf_counter() - started
         return total / repeats * 1e3
 
-    for m in (1, 8, 64, 512):
-        for n, k in ((256, 256), (128, 256), (688, 256), (256, 688), (4096, 256)):
+    for m in (1, 8, 64, 512, 2048):
+        sums = [0.0, 0.0, 0.0, 0.0]  # hot F.linear, hot native, cold F.linear, cold native
+        for n, k in ((512, 256), (256, 256), (1376, 256), (256, 688), (4096, 256)):
             x, w = torch.randn(m, k), torch.randn(n, k)
-            row = f"  {m} x {k} -> {n}: F.linear {timed(lambda x=x, w=w: F.linear(x, w), 50):.3f}"
+            base = partial(F.linear, x, w)
+            times = [timed(base, 20), 0.0, cold(base) if m <= 64 else 0.0, 0.0]
             if op is not None:
-                row += f", native {timed(lambda x=x, w=w: op(x, w, None), 50):.3f}"
-            if m <= 16:
-                row += f"; cold: F.linear {cold(lambda x=x, w=w: F.linear(x, w)):.3f}"
-                if op is not None:
-                    row += f", native {cold(lambda x=x, w=w: op(x, w, None)):.3f}"
+                native = partial(op, x, pack(w), None, n)
+                times[1] = timed(native, 20)
+                times[3] = cold(native) if m <= 64 else 0.0
+            sums = [a + b for a, b in zip(sums, times)]
+            row = f"  {m} x {k} -> {n}: F.linear {times[0]:.3f}, native {times[1]:.3f}"
+            if m <= 64:
+                row += f"; cold: F.linear {times[2]:.3f}, native {times[3]:.3f}"
             print(row)
+        row = f"  {m} rows, the five products: F.linear {sums[0]:.2f}, native {sums[1]:.2f}"
+        if m <= 64:
+            row += f"; cold: F.linear {sums[2]:.2f}, native {sums[3]:.2f}"
+        print(row)
 
 
 MERGES = [  # (what, rows, partials per row)

@@ -1,13 +1,16 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
 `paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
-`paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp), `linear()` the `torch.ops.kvcache.linear` op (linear.cpp), `rotary()` the
+`paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp),
+`pack_linear_weight()` and `packed_linear()` the `torch.ops.kvcache.pack_linear_weight`
+and `torch.ops.kvcache.packed_linear` ops (packed_linear.cpp), `rotary()` the
 `torch.ops.kvcache.rotary` op (rotary.cpp), `rms_norm()` the `torch.ops.kvcache.rms_norm`
 op (rms_norm.cpp), `merge_partials()` the `torch.ops.kvcache.merge_partials` op
-(merge.cpp) and `silu_mul()` the `torch.ops.kvcache.silu_mul` op (silu_mul.cpp), or None where they cannot be built (no C++
-compiler, no ninja, not Linux x86/arm, or `COMPUTED_CPU_KERNELS=0`): callers then keep
-torch's own kernels, which give the same results (attention up to float rounding, linear
-and rotary bit for bit). The build (about a minute on two cores) is cached under
+(merge.cpp) and `silu_mul()` the `torch.ops.kvcache.silu_mul` op (silu_mul.cpp), or None
+where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
+`COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
+results (attention, linear, norms and activation up to float rounding, rotary bit for
+bit). The build (about a minute on two cores) is cached under
 torch's extensions directory (`TORCH_EXTENSIONS_DIR`); `make install` builds it ahead
 (`python -m computed.kernels`), so a daemon's start-up only loads it.
 """
@@ -27,7 +30,7 @@ SOURCES = tuple(
     for name in (
         "paged_decode.cpp",
         "paged_flash.cpp",
-        "linear.cpp",
+        "packed_linear.cpp",
         "rotary.cpp",
         "rms_norm.cpp",
         "merge.cpp",
@@ -58,10 +61,17 @@ def paged_flash() -> Callable | None:
     return torch.ops.kvcache.paged_flash if _loaded()[0] else None
 
 
-def linear() -> Callable | None:
-    """The column-split linear op (`linear(x, weight, bias)`, bit-identical to
-    `torch.nn.functional.linear` on CPU float32), or None as `paged_decode()`."""
-    return torch.ops.kvcache.linear if _loaded()[0] else None
+def pack_linear_weight() -> Callable | None:
+    """The weight packing op for `packed_linear` (`pack_linear_weight(weight) -> packed`),
+    or None as `paged_decode()`."""
+    return torch.ops.kvcache.pack_linear_weight if _loaded()[0] else None
+
+
+def packed_linear() -> Callable | None:
+    """The linear op on a packed weight (`packed_linear(x, packed, bias, n) -> y`, float32
+    rounding of `torch.nn.functional.linear`, each row independent of the batch), or None
+    as `paged_decode()`."""
+    return torch.ops.kvcache.packed_linear if _loaded()[0] else None
 
 
 def rotary() -> Callable | None:
@@ -102,7 +112,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "silu_mul"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "packed_linear"):
         return True, None
     try:
         from torch.utils import cpp_extension

@@ -13,7 +13,7 @@ def main() -> int:
         print(f"native CPU kernels unavailable ({kernels.error()}); computed uses torch's kernels")
         return 0
     print(
-        "native CPU kernels ready: kvcache::paged_decode, kvcache::paged_flash, kvcache::linear, "
+        "native CPU kernels ready: kvcache::paged_decode, kvcache::paged_flash, kvcache::packed_linear, "
         "kvcache::rotary, kvcache::rms_norm, kvcache::merge_partials, kvcache::silu_mul"
     )
     return 0

@@ -10,33 +10,57 @@ from computed import kernels
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) whose CPU float32 product runs
-    `kvcache::linear` where the native kernels loaded (`computed/kernels/linear.cpp`): a
-    decode step's few rows (at most 16) by a native dot-product kernel, each thread on its
-    own block of output columns, where MKL streams the weights through one core (a chat
-    decode step of the default model 18-23% less time; within float32 rounding of
-    `F.linear`, and, up to 16 rows, a row's result independent of the rest of the batch); a wide output (the
-    vocabulary projection) split by columns across torch's threads, bit-identical to
-    `F.linear` (`python -m bench.attention_kernels`, linear block: 8 x 256 -> 4,096 1.26
-    -> 0.69 ms). Elsewhere it is `F.linear`."""
+    """`nn.Linear` (same parameters and names) whose product runs `kvcache::packed_linear`
+    once `pack()` has packed its weight (see `linear`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("packed", None, persistent=False)
+
+    def pack(self) -> None:
+        """Pack the weight for the native product (`pack_weight`); a no-op where that cannot run."""
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, by `kvcache::linear` for contiguous CPU float32 operands (see `Linear`)."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` (N, K) laid out for `kvcache::packed_linear` (panels of 16 output columns,
+    K-major: a second copy of the weight), or None where the product cannot run natively
+    (not CPU float32, or the native kernels did not load). Pack once the weight is final:
+    the packed copy does not follow later changes to it."""
+    op = kernels.pack_linear_weight()
+    if op is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    return op(weight.detach().contiguous())
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; by `kvcache::packed_linear` where `packed` is `weight`
+    packed (`pack_weight`) and x is contiguous CPU float32 (M, K).
+
+    Why native: this model family's products are short (K of a few hundred) and narrow, where
+    MKL reaches a third to two thirds of this machine's float32 peak; the packed kernel
+    holds a 6 x 16 block of outputs in registers for the whole of K (`python -m
+    bench.attention_kernels`, linear block: a decode step's 64 rows through one layer's
+    four products and the vocabulary projection 6.5 -> 4.4 ms from cold caches, 8 rows
+    2.4 -> 1.6 ms). Each output is one multiply-add chain over K in order, so a row's
+    result is the same whatever else is in the batch (batch invariance), and within float32
+    rounding of `F.linear`, not bit for bit."""
     if (
-        x.dim() == 2
+        packed is not None
+        and x.dim() == 2
         and x.dtype == torch.float32
-        and x.device.type == "cpu"
         and x.is_contiguous()
-        and weight.dtype == torch.float32
-        and weight.is_contiguous()
+        and x.device.type == "cpu"
     ):
-        op = kernels.linear()
-        if op is not None:
-            return op(x, weight, bias)
+        return kernels.packed_linear()(x, packed, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -45,7 +69,7 @@ def fuse_rows(*linears: Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     where there were several; each Linear's parameters become views of it (same names and
     values, no second copy). Call once the model is on its device: moving it after
     would copy the parts apart. Per output column the product is the same dot product,
-    so the fused result equals the separate ones bit for bit (MKL and `kvcache::linear`).
+    so the fused result equals the separate ones bit for bit (MKL and `kvcache::packed_linear`).
     Why: a decode step reads every weight from memory (they are evicted by the step's K/V
     reads); one weight is one stream where three were three, each paying a cold start
     (a recorded chat decode step 10.7 -> 10.3 ms, interleaved A/B; bit for bit the same tokens)."""
@@ -101,17 +125,27 @@ class SwiGLU(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.intermediate_size = intermediate_size
-        # (2 * intermediate, hidden): gate's rows, then up's, once `fuse()` ran.
+        # (2 * intermediate, hidden): gate's rows, then up's, once `fuse()` ran; packed by `pack()`.
         self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_packed", None, persistent=False)
 
     def fuse(self) -> None:
         """Gate and up as one product (see `fuse_rows`)."""
         self.gate_up_weight, _ = fuse_rows(self.gate_proj, self.up_proj)
 
+    def pack(self) -> None:
+        """Pack the weights of the products `forward` runs (see `pack_weight`)."""
+        if self.gate_up_weight is None:
+            self.gate_proj.pack()
+            self.up_proj.pack()
+        else:
+            self.gate_up_packed = pack_weight(self.gate_up_weight)
+        self.down_proj.pack()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = linear(x, self.gate_up_weight)  # (T, 2 * intermediate)
+        gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # (T, 2 * intermediate)
         if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2:
             op = kernels.silu_mul()
             if op is not None:  # one pass, where torch takes two ops over strided halves

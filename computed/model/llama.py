@@ -14,7 +14,7 @@ from torch import nn
 from computed.attention import AttentionBatch, paged_attention
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
-from computed.model.layers import Linear, RMSNorm, SwiGLU, fuse_rows, linear
+from computed.model.layers import Linear, RMSNorm, SwiGLU, fuse_rows, linear, pack_weight
 from computed.model.rope import RotaryEmbedding, apply_rotary_qk
 
 
@@ -37,13 +37,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.split_sizes = [q_size, kv_size, kv_size]
-        # (q_size + 2 * kv_size, hidden): q's rows, k's, v's, once `fuse()` ran.
+        # (q_size + 2 * kv_size, hidden): q's rows, k's, v's, once `fuse()` ran; packed by `pack()`.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.register_buffer("qkv_packed", None, persistent=False)
 
     def fuse(self) -> None:
         """q, k and v as one product (see `fuse_rows`)."""
         self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+
+    def pack(self) -> None:
+        """Pack the weights of the products `forward` runs (see `pack_weight`)."""
+        if self.qkv_weight is None:
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                proj.pack()
+        else:
+            self.qkv_packed = pack_weight(self.qkv_weight)
+        self.o_proj.pack()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
@@ -52,7 +62,9 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:  # column blocks of one (T, q_size + 2 * kv_size) product
-            q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
+            q, k, v = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).split(
+                self.split_sizes, dim=-1
+            )
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -118,6 +130,15 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def pack_projections(self) -> None:
+        """Every product's weight packed for the native CPU kernel (`pack_weight`: a second
+        copy of the weights, laid out for `kvcache::packed_linear`; a no-op off CPU float32).
+        Call after `fuse_projections`, once the weights are final."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        self.lm_head.pack()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:

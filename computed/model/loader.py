@@ -67,6 +67,7 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
     model.tie_weights()  # assign=True replaced the embedding; point the head at the new one
     model.requires_grad_(False).eval()
     model.fuse_projections()
+    model.pack_projections()
     return LoadedModel(
         model=model,
         config=config,

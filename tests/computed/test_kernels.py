@@ -153,8 +153,9 @@ def test_disabled_by_the_environment(monkeypatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def linear():
-    return _built(kernels.linear())
+def packed_linear():
+    pack, op = _built(kernels.pack_linear_weight()), _built(kernels.packed_linear())
+    return lambda x, weight, bias: op(x, pack(weight), bias, weight.shape[0])
 
 
 def _linear_inputs(rows: int, out_features: int, in_features: int):
@@ -175,59 +176,61 @@ def _threads(count: int):
 
 
 @needs_compiler
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [17, 64, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(4096, 256), (2100, 64), (688, 256), (100, 64)])
-def test_linear_is_bit_identical_to_torch(linear, threads, rows, out_features, in_features) -> None:
-    """Past a decode step's rows: MKL, whole or split by columns, which leaves every
-    output element the same dot product: equal, not close."""
-    x, weight, bias = _linear_inputs(rows, out_features, in_features)
-    with _threads(threads):
-        assert torch.equal(linear(x, weight, None), torch.nn.functional.linear(x, weight))
-        assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
-        with torch.inference_mode():  # as the model runs it: the worker threads must inherit the mode
-            assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
-
-
-@needs_compiler
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 64, 97, 300])
 @pytest.mark.parametrize(
-    ("out_features", "in_features"), [(4096, 256), (688, 256), (256, 688), (100, 64), (50, 13), (7, 5)]
+    ("out_features", "in_features"),
+    [(4096, 256), (1376, 256), (256, 688), (2100, 64), (100, 64), (50, 13), (7, 5), (16, 1)],
 )
-def test_linear_few_rows_is_close_and_batch_invariant(
-    linear, threads, rows, out_features, in_features
-) -> None:
-    """A decode step's rows: the native dot-product kernel, within float32 rounding of
-    F.linear, and each row's result the same whatever else is in the batch."""
+def test_packed_linear_is_close_and_batch_invariant(packed_linear, rows, out_features, in_features) -> None:
+    """Within float32 rounding of F.linear, and each row's result the same whatever else is
+    in the batch (alone, as a step of one sequence computes it) and whatever the threads."""
     x, weight, bias = _linear_inputs(rows, out_features, in_features)
-    with _threads(threads), torch.inference_mode():
-        out = linear(x, weight, bias)
+    with torch.inference_mode():  # as the model runs it
+        with _threads(2):
+            out = packed_linear(x, weight, bias)
         want = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-        for row in range(rows):  # alone, as a step of one sequence computes it
-            assert torch.equal(linear(x[row : row + 1], weight, bias), out[row : row + 1])
-        assert torch.equal(linear(x, weight, None) + bias, out)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+        for count in (1, 3):
+            with _threads(count):
+                assert torch.equal(packed_linear(x, weight, bias), out)
+        for row in {0, rows // 2, rows - 1}:
+            assert torch.equal(packed_linear(x[row : row + 1], weight, bias), out[row : row + 1])
+        assert torch.equal(packed_linear(x[1:], weight, bias), out[1:])  # shifted off the row blocks
+        assert torch.equal(packed_linear(x, weight, None) + bias, out)
+
+
+@needs_compiler
+def test_packed_linear_takes_no_rows() -> None:
+    op, weight = _built(kernels.packed_linear()), torch.randn(20, 8)
+    out = op(torch.zeros(0, 8), _built(kernels.pack_linear_weight())(weight), None, 20)
+    assert out.shape == (0, 20)
 
 
 @needs_compiler
 @pytest.mark.parametrize(
-    ("x", "weight", "bias", "message"),
+    ("x", "weight", "n", "bias", "message"),
     [
-        (torch.zeros(2, 8), torch.zeros(4, 7), None, "x has 8 columns, weight 7"),
-        (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), None, "float32"),
-        (torch.zeros(8, 2).t(), torch.zeros(4, 8), None, "contiguous"),
+        (torch.zeros(2, 8), torch.zeros(4, 7), 4, None, "x has 8 columns, the packed weight 7"),
+        (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), 4, None, "contiguous float32 x"),
+        (torch.zeros(8, 2).t(), torch.zeros(4, 8), 4, None, "contiguous float32 x"),
+        (torch.zeros(2, 8), torch.zeros(4, 8), 17, None, "n = 17 does not fit 1 panels"),
         (
             torch.zeros(2, 8),
             torch.zeros(4, 8),
+            4,
             torch.zeros(3),
             r"bias must be contiguous float32 of shape \(4,\)",
         ),
     ],
 )
-def test_linear_refuses_bad_inputs(linear, x, weight, bias, message: str) -> None:
+def test_packed_linear_refuses_bad_inputs(x, weight, n, bias, message: str) -> None:
+    op, pack = _built(kernels.packed_linear()), _built(kernels.pack_linear_weight())
     with pytest.raises(RuntimeError, match=message):
-        linear(x, weight, bias)
+        op(x, pack(weight), bias, n)
+    with pytest.raises(RuntimeError, match="a weight from pack_linear_weight"):
+        op(torch.zeros(2, 8), torch.zeros(8, 4), None, 4)
+    with pytest.raises(RuntimeError, match="contiguous float32 weight"):
+        pack(torch.zeros(4, 8, dtype=torch.float64))
 
 
 @pytest.fixture(scope="module")
