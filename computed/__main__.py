@@ -101,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         help="model tokens per step; longer prefills are chunked [env COMPUTED_MAX_NUM_BATCHED_TOKENS]",
     )
     p.add_argument(
+        "--admission-window-ms",
+        type=float,
+        default=float(_env("COMPUTED_ADMISSION_WINDOW_MS", "20")),
+        help="after idling, wait up to this long for requests arriving together before the first step "
+        "(until none came for a quarter of it; 0: step at once) [env COMPUTED_ADMISSION_WINDOW_MS]",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=_env("COMPUTED_MAX_MODEL_LEN"),
@@ -199,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             gpu_memory_utilization=a.gpu_memory_utilization,
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
+            admission_window_seconds=a.admission_window_ms / 1e3,
             max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
             worker_address=a.worker_address,
             ready_file=_optional_path(a.ready_file),

@@ -38,6 +38,10 @@ class ComputedConfig:
     # Model tokens per step (only uncached tokens are charged); longer prompts are
     # prefilled in chunks.
     max_num_batched_tokens: int = 2048
+    # After idling, the first step waits for requests that arrive together (a client's
+    # concurrent streams land over a few ms): until none has come for a quarter of this,
+    # at most this long. 0: step at the first arrival.
+    admission_window_seconds: float = 0.02
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     # Address clients use to reach this worker (announced to blockd for routing);
@@ -89,6 +93,10 @@ class ComputedConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+        if not 0.0 <= self.admission_window_seconds <= 1.0:
+            raise ValueError(
+                f"--admission-window-ms must be in 0..1000, got {self.admission_window_seconds * 1e3:g}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
         if (self.tls_cert is None) != (self.tls_key is None):

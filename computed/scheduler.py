@@ -85,6 +85,8 @@ class Scheduler:
         self._pending_releases: list[SequenceId] = []
         # Free + evictable blocks as blockd last reported them (None: unknown yet).
         self._num_available_blocks: int | None = None
+        # plan_ops held a request behind a sequence admitted in the same plan.
+        self._held_behind_admits = False
         # Host tier copies blockd's answers asked for, not yet run (see take_copies).
         self._copies = CopyPlan()
 
@@ -98,6 +100,10 @@ class Scheduler:
         return bool(
             self.waiting or self.running or self._admitting or self._pending_commits or self._pending_releases
         )
+
+    def has_running(self) -> bool:
+        """Some sequence is admitted (being admitted, prefilling or decoding)."""
+        return bool(self.running or self._admitting)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._admitting)
@@ -120,6 +126,7 @@ class Scheduler:
 
     def plan_ops(self) -> DirectoryOps:
         """The directory work of this step. Pending commits/releases leave with it."""
+        self._held_behind_admits = False
         ops = DirectoryOps(commits=self._pending_commits, releases=self._pending_releases)
         self._pending_commits, self._pending_releases = [], []
         for seq in self.running:
@@ -128,6 +135,23 @@ class Scheduler:
                 ops.grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=seq.capacity < needed_now))
         ops.admits = self._plan_admits(ops)
         return ops
+
+    def plan_held_admits(self) -> DirectoryOps | None:
+        """Admissions only, for requests this step's `plan_ops` held behind a sequence it
+        admitted, once blockd's answer has said what that sequence found cached (call after
+        `apply_result`); None when none may go now. Why: with nothing running, the first
+        request admitted is credited with no cached prefix, so the ones sharing its first
+        block wait for it, though that prefix may be cached already: a chat turn's first
+        request then ran a 50-90 ms prefill step alone while the other 7 waited for it to
+        "compute" the cached system prompt (`make bench-peer`, chat). One more round trip
+        to blockd (a few ms) admits them into the same step. Exact either way: a request
+        still held waits for blocks really being computed."""
+        if not self._held_behind_admits:
+            return None
+        self._held_behind_admits = False
+        ops = DirectoryOps()
+        ops.admits = self._plan_admits(ops)
+        return ops if ops.admits else None
 
     def _capacity_needs(self, seq: Sequence) -> tuple[int, int]:
         """(tokens the table must hold this step, tokens wanted one step ahead)."""
@@ -156,6 +180,7 @@ class Scheduler:
             if len(self.running) + len(admits) >= self.config.max_num_seqs:
                 break
             if leaders.should_wait(seq):
+                self._held_behind_admits = self._held_behind_admits or bool(admitted)
                 continue
             blocks = -(-seq.num_tokens // self.config.block_size)
             # Blocks may come back as cache hits, so this only stops obvious misses;

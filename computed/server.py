@@ -181,6 +181,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
         runner,
         directory,
         Histograms(registry) if config.metrics_port is not None else None,
+        admission_window=config.admission_window_seconds,
     )
     if config.metrics_port is not None:
         log.info("metrics_serving", port=serve_metrics(engine, config.metrics_port, registry))

@@ -40,7 +40,10 @@ class SilentDecoder:
 
 
 def build(
-    tiny_models: TinyModels, num_blocks: int = NUM_BLOCKS, num_host_blocks: int = 0
+    tiny_models: TinyModels,
+    num_blocks: int = NUM_BLOCKS,
+    num_host_blocks: int = 0,
+    admission_window: float = 0.0,
 ) -> tuple[Engine, InProcessDirectory]:
     loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
     c = loaded.config
@@ -53,7 +56,7 @@ def build(
         SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, max_model_len=256), eos_token_ids=()
     )
     directory = InProcessDirectory(BlockDirectory(), num_blocks, BLOCK, num_host_blocks=num_host_blocks)
-    return Engine(scheduler, runner, directory), directory
+    return Engine(scheduler, runner, directory, admission_window=admission_window), directory
 
 
 async def generate(
@@ -214,3 +217,34 @@ def test_lost_directory_is_recovered_once_and_requests_finish(tiny_models: TinyM
         assert num_referenced_blocks(directory) == 0
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("window", [0.0, 0.3])
+def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window: float) -> None:
+    """Requests sent together land a few ms apart; with an admission window the first
+    step after idling waits for them (none came for a quarter of it), without one the
+    first request's step runs alone."""
+
+    async def run() -> list[int]:
+        engine, _ = build(tiny_models, admission_window=window)
+        rows: list[int] = []
+        forward = engine.runner.run
+
+        def counted(inp):
+            rows.append(inp.num_chunks)
+            return forward(inp)
+
+        engine.runner.run = counted
+        await engine.start()
+        try:
+            tasks = []
+            for i in range(3):  # distinct first blocks: none waits for another's prefix
+                tasks.append(asyncio.create_task(generate(engine, [40 + i, *PROMPT[1:]], max_tokens=2)))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*tasks)
+        finally:
+            await engine.stop(drain_seconds=1)
+        return rows
+
+    rows = asyncio.run(run())
+    assert rows[0] == (3 if window else 1), rows

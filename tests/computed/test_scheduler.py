@@ -251,6 +251,7 @@ def test_requests_arriving_together_compute_their_common_prefix_once():
     first = h.scheduler.plan_ops()
     assert [a.sequence_id for a in first.admits] == [seqs[0].sequence_id, other.sequence_id]
     h.scheduler.apply_result(first, h.step_directory(first))
+    assert h.scheduler.plan_held_admits() is None  # blockd found the prefix uncached: they wait
     h.run()
     for seq, p in zip(seqs, prompts):
         assert seq.completion_token_ids == reference(p, 3)
@@ -269,8 +270,9 @@ def test_a_salted_request_does_not_wait_for_an_unsalted_prefix():
 
 
 def test_followers_of_a_computed_prefix_are_admitted_together():
-    """Once one follower is running on the cached prefix, the rest are credited with it
-    and admitted in one step, not held back one per step behind each other."""
+    """With nothing running, the first follower is credited with no cached prefix and
+    the rest are held behind it; once blockd's answer says the prefix is cached, they are
+    admitted in the same step (a second admission round), not one step later."""
     h = Harness(num_blocks=512)
     rng = random.Random(9)
     prefix = rand_prompt(rng, 32 * 4)
@@ -280,10 +282,13 @@ def test_followers_of_a_computed_prefix_are_admitted_together():
     plans = []
     for _ in range(3):
         ops = h.scheduler.plan_ops()
-        plans.append(len(ops.admits))
         h.scheduler.apply_result(ops, h.step_directory(ops))
+        held = h.scheduler.plan_held_admits()
+        if held is not None:
+            h.scheduler.apply_result(held, h.step_directory(held))
+        plans.append((len(ops.admits), 0 if held is None else len(held.admits)))
         chunks = h.scheduler.schedule()
         if chunks:
             h.scheduler.on_forward_done(chunks, h.forward(chunks))
-    assert plans == [1, 9, 0]
+    assert plans == [(1, 9), (0, 0), (0, 0)]
     assert all(seq.num_cached_tokens == 32 * 4 for seq in followers)
