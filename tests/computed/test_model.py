@@ -399,7 +399,8 @@ def test_loader_identity_and_tied_head(tiny_models: TinyModels) -> None:
 def test_fused_projections_keep_parameters_and_results(checkpoint: Path, monkeypatch) -> None:
     """The loader fuses q/k/v and gate/up into one product each: the checkpoint's
     parameters keep their names and values as views of the fused weight, and a forward
-    gives bit for bit what the separate products give (with torch's SwiGLU activation on
+    gives bit for bit what the separate products give (each packed for the native product
+    where it runs: a column's result is the same chain over K either way) (with torch's SwiGLU activation on
     both sides; the native one rounds its own way, checked in test_kernels)."""
     from computed import kernels
 
@@ -412,6 +413,9 @@ def test_fused_projections_keep_parameters_and_results(checkpoint: Path, monkeyp
     assert torch.equal(attn.qkv_weight[attn.split_sizes[0] :][: attn.split_sizes[1]], attn.k_proj.weight)
     assert torch.equal(mlp.gate_up_weight[mlp.intermediate_size :], mlp.up_proj.weight)
     assert "model.layers.0.self_attn.qkv_weight" not in loaded.model.state_dict()
+    assert not [
+        name for name in loaded.model.state_dict() if "packed" in name
+    ]  # packed copies are not parameters
     tensors = load_file(checkpoint / "model.safetensors")
     state = loaded.model.state_dict()
     for name, tensor in tensors.items():
@@ -424,14 +428,18 @@ def test_fused_projections_keep_parameters_and_results(checkpoint: Path, monkeyp
         return runner.model.compute_logits(runner.model(torch.tensor(ids), batch, runner.pool))
 
     fused = logits()
+    packed = loaded.model.model.layers[0].self_attn.qkv_packed is not None  # the native kernels loaded
     for module in loaded.model.modules():  # back to one product per projection
-        for name in ("qkv_weight", "qkv_bias", "gate_up_weight"):
+        for name in ("qkv_weight", "qkv_bias", "gate_up_weight", "qkv_packed", "gate_up_packed"):
             if getattr(module, name, None) is not None:
                 setattr(module, name, None)
     try:
+        loaded.model.pack_projections()  # the separate products packed as the fused ones were
+        assert (loaded.model.model.layers[0].self_attn.q_proj.packed is not None) == packed
         assert torch.equal(logits(), fused)
     finally:
         loaded.model.fuse_projections()
+        loaded.model.pack_projections()
 
 
 def test_revision_changes_with_the_weights(tiny_models: TinyModels, tmp_path: Path) -> None:
