@@ -104,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         "--admission-window-ms",
         type=float,
         default=float(_env("COMPUTED_ADMISSION_WINDOW_MS", "20")),
-        help="after idling, wait up to this long for requests arriving together before the first step "
-        "(until none came for a quarter of it; 0: step at once) [env COMPUTED_ADMISSION_WINDOW_MS]",
+        help="after idling, once requests have come together, wait up to this long for the next ones before "
+        "the first step (until none came for a quarter of it; 0: step at once) [env COMPUTED_ADMISSION_WINDOW_MS]",
     )
     p.add_argument(
         "--max-model-len",

@@ -38,9 +38,9 @@ class ComputedConfig:
     # Model tokens per step (only uncached tokens are charged); longer prompts are
     # prefilled in chunks.
     max_num_batched_tokens: int = 2048
-    # After idling, the first step waits for requests that arrive together (a client's
-    # concurrent streams land over a few ms): until none has come for a quarter of this,
-    # at most this long. 0: step at the first arrival.
+    # After idling, once requests have been seen arriving together (a client's concurrent
+    # streams land over a few ms), the first step waits for the next ones: until none has
+    # come for a quarter of this, at most this long. 0: step at the first arrival.
     admission_window_seconds: float = 0.02
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None

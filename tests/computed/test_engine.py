@@ -221,11 +221,12 @@ def test_lost_directory_is_recovered_once_and_requests_finish(tiny_models: TinyM
 
 @pytest.mark.parametrize("window", [0.0, 0.3])
 def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window: float) -> None:
-    """Requests sent together land a few ms apart; with an admission window the first
-    step after idling waits for them (none came for a quarter of it), without one the
-    first request's step runs alone."""
+    """Requests sent together land a few ms apart. With an admission window, once a burst
+    has been seen, the first step after idling waits for the next burst's requests (none
+    came for a quarter of the window) and they start in one step; a request sent alone
+    never waits. Without a window, the first request's step runs alone."""
 
-    async def run() -> list[int]:
+    async def run() -> list[list[int]]:
         engine, _ = build(tiny_models, admission_window=window)
         rows: list[int] = []
         forward = engine.runner.run
@@ -235,16 +236,24 @@ def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window:
             return forward(inp)
 
         engine.runner.run = counted
+        firsts = []
         await engine.start()
         try:
-            tasks = []
-            for i in range(3):  # distinct first blocks: none waits for another's prefix
-                tasks.append(asyncio.create_task(generate(engine, [40 + i, *PROMPT[1:]], max_tokens=2)))
-                await asyncio.sleep(0.02)
-            await asyncio.gather(*tasks)
+            for burst in range(3):
+                rows.clear()
+                tasks = []
+                for i in range(3 if burst < 2 else 1):  # distinct first blocks: none waits for a prefix
+                    prompt = [40 + 3 * burst + i, *PROMPT[1:]]
+                    tasks.append(asyncio.create_task(generate(engine, prompt, max_tokens=2)))
+                    await asyncio.sleep(0.02)
+                await asyncio.gather(*tasks)
+                await settle(engine)
+                firsts.append(list(rows))
         finally:
             await engine.stop(drain_seconds=1)
-        return rows
+        return firsts
 
-    rows = asyncio.run(run())
-    assert rows[0] == (3 if window else 1), rows
+    first_burst, second_burst, alone = asyncio.run(run())
+    assert first_burst[0] == 1, first_burst  # nothing seen yet: the first request goes at once
+    assert second_burst[0] == (3 if window else 1), second_burst
+    assert alone == [1, 1], alone  # a lone request: its prefill step, then its decode step
