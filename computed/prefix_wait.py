@@ -57,7 +57,7 @@ class PrefixLeaders:
         # An entry credits at most its committed blocks, and more than `best` only if it
         # shares block `best` (one block compared first). Without these checks, 63
         # followers admitted behind one leader each compared the whole prefix with every
-        # earlier follower: 67 ms of one step's planning (py-spy), now under 1 ms.
+        # earlier follower: 67 ms of one step's planning (py-spy), now 8-9 ms with the search below.
         best = 0
         for entry in self._by_key.get(key, ()):
             if entry.num_committed_blocks > best and self._shares_more_than(
@@ -113,15 +113,16 @@ class PrefixLeaders:
     def _common_blocks(self, a: list[int], b: list[int], at_most: int, at_least: int = 0) -> int:
         """Full leading blocks the two token lists share, capped at `at_most`, given that
         they share `at_least` (one C-speed list comparison when they share all of them,
-        else a binary search on slices)."""
-        high = min(at_most, min(len(a), len(b)) // self.block_size)
-        if a[: high * self.block_size] == b[: high * self.block_size]:
+        else a binary search that compares only the blocks past what is known shared:
+        about one more pass over the tokens, where comparing whole prefixes took ~7)."""
+        bs = self.block_size
+        high = min(at_most, min(len(a), len(b)) // bs)
+        if a[: high * bs] == b[: high * bs]:
             return high
-        low, high = min(at_least, high - 1), high - 1
+        low, high = min(at_least, high - 1), high - 1  # invariant: blocks [0, low) are shared
         while low < high:
             mid = (low + high + 1) // 2
-            end = mid * self.block_size
-            if a[:end] == b[:end]:
+            if a[low * bs : mid * bs] == b[low * bs : mid * bs]:
                 low = mid
             else:
                 high = mid - 1
