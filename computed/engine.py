@@ -134,7 +134,7 @@ class Engine:
         # When the last burst began (the first arrival with none running) and how many
         # requests arrived within the window of it: a lone request never waits, a client
         # that sends several at once does (see `_gather_arrivals`).
-        self._burst_started: float | None = None
+        self._burst_started = float("-inf")
         self._burst_size = 0
         self.observer = observer
         self.runner = runner
@@ -217,10 +217,7 @@ class Engine:
         self.runner.add_sequence(seq.sequence_id, params.seed)
         self.scheduler.add(seq)
         self._new_arrivals = True
-        if (
-            self._burst_started is not None
-            and time.monotonic() - self._burst_started <= self._admission_window
-        ):
+        if time.monotonic() - self._burst_started <= self._admission_window:
             self._burst_size += 1
         self._wake.set()
         return seq.sequence_id, req.queue

@@ -138,9 +138,7 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (often "", never half a character)."""
-        self._ids.append(token_id)
-        delta = self._delta()
-        return "" if delta.endswith("\ufffd") else self._advance(delta)
+        return self.push_many([token_id])
 
     def push_many(self, token_ids: list[int]) -> str:
         """Add several ids; one decode for all of them (the same text, in total, as a push each)."""
