@@ -13,7 +13,8 @@ it in its own item), as `computed.attention` runs them; and the default model's 
 layers through `F.linear` (MKL) against the native `kvcache::packed_linear`; and
 tiles of several queries per item as a step runs them: gather + torch's flash kernel
 ("fold", or "repeat" where causal) against the native paged flash kernel; and the merge
-of rows read through several tiles, torch's ops against the native merge. The
+of rows read through several tiles, torch's ops against the native merge; and whole
+decode steps, the modules' forward against `computed.model.native`'s. The
 choices in `computed/attention.py` and `computed/model/layers.py` cite this table.
 """
 
@@ -100,6 +101,7 @@ def main() -> None:
     linear()
     rotary()
     merge()
+    step()
 
 
 FLASH_TILES = [  # (what, items, queries, keys, causal)
@@ -332,6 +334,54 @@ def _gather_fold(pools: list[torch.Tensor], q: torch.Tensor, slots: torch.Tensor
 def _native(op, pools: list[torch.Tensor], q: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> None:
     for kv in pools:
         op(q, kv[0], kv[1], slots, lens, DIM**-0.5)
+
+
+def step() -> None:
+    """Whole decode steps of the default model through `ModelRunner.run` (plan, forward,
+    logits, greedy sampling): the modules' forward against `NativeForward` (the same ops
+    without the modules' glue), interleaved, median of 15 each."""
+    from computed.attention import SpanInput
+    from computed.config import DEFAULT_MODEL_DIR
+    from computed.kv_pool import KVPool
+    from computed.model import load_model
+    from computed.model_runner import ForwardInput, ModelRunner
+    from computed.sequence import SamplingParams
+
+    loaded = load_model(DEFAULT_MODEL_DIR, torch.device("cpu"), torch.float32)
+    model, c = loaded.model, loaded.config
+    if model.native is None:
+        print("decode steps: the native forward did not build (no native kernels)")
+        return
+    pool = KVPool(c.num_layers, 8192, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, pool, BLOCK, torch.device("cpu"))
+    blocks = torch.randperm(8192).tolist()
+
+    def decode(rows: int, shared: int, private: int) -> ForwardInput:
+        prefix, rest = blocks[: shared // BLOCK], blocks[shared // BLOCK :]
+        per = -(-(private + 1) // BLOCK)
+        spans = [SpanInput(prefix + rest[i * per : (i + 1) * per], shared + private, 1) for i in range(rows)]
+        return ForwardInput(
+            [5] * rows,
+            spans,
+            list(range(rows)),
+            list(range(rows)),
+            [SamplingParams()] * rows,
+            list(range(rows)),
+            rows,
+        )
+
+    native = model.native
+    print("decode steps, ModelRunner.run: modules' forward vs NativeForward (ms)")
+    for rows, shared, private in ((1, 0, 16), (8, 512, 600), (64, 1024, 96)):
+        inp, times = decode(rows, shared, private), {"modules": [], "native": []}
+        for _ in range(15):
+            for name, forward in (("modules", None), ("native", native)):
+                model.native = forward
+                times[name].append(timed(partial(runner.run, inp), repeats=1))
+        model.native = native
+        mods, nat = (sorted(t)[7] for t in times.values())
+        what = f"{rows} rows x ({shared} shared + {private + 1})"
+        print(f"  {what:32} modules {mods:6.2f}, native {nat:6.2f}")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,9 @@ class Tile:
     num_queries: int  # Qm
     num_keys: int  # Lm
     host_key_lens: np.ndarray  # key_lens on the host
+    # The padded query rows are all the step's rows, 0 .. T - 1 in order, none padding: the
+    # tile reads q as it is and its results are the rows' own (no gather, no placement).
+    in_order: bool = False
 
     @functools.cached_property
     def key_bias(self) -> torch.Tensor | None:
@@ -122,8 +125,12 @@ class Tile:
         )
 
     @classmethod
-    def from_plan(cls, plan: TilePlan, device: torch.device) -> Tile:
+    def from_plan(cls, plan: TilePlan, device: torch.device, num_tokens: int) -> Tile:
         num_items, width_q = plan.query_rows.shape
+        size = plan.query_rows.size
+        in_order = size == num_tokens == len(plan.valid_rows) and bool(
+            (plan.query_rows.reshape(-1) == np.arange(size)).all()
+        )
         return cls(
             query_rows=torch.from_numpy(plan.query_rows).to(device),
             key_slots=torch.from_numpy(plan.key_slots.reshape(-1)).to(device),
@@ -135,6 +142,7 @@ class Tile:
             num_queries=width_q,
             num_keys=plan.key_slots.shape[1],
             host_key_lens=plan.key_lens,
+            in_order=in_order,
         )
 
 
@@ -212,7 +220,7 @@ class AttentionBatch:
         plan: AttentionPlan = plan_attention(
             starts, lens, contexts, tables, block_size, min_decode_segment_reads
         )
-        tiles = tuple(Tile.from_plan(t, device) for t in plan.tiles)
+        tiles = tuple(Tile.from_plan(t, device, len(positions)) for t in plan.tiles)
         return cls(
             block_size=block_size,
             positions=torch.from_numpy(positions).to(device),
@@ -270,6 +278,8 @@ def paged_attention(
     values = value_cache.view(-1, num_kv_heads * head_dim)
 
     results = [_attend_tile(q, keys, values, tile, num_kv_heads, scale) for tile in batch.tiles]
+    if len(results) == 1 and batch.tiles[0].in_order:  # every row once, in order: a plain decode step
+        return results[0][0].to(q.dtype)  # every row once, in order (a plain decode step)
     if not batch.needs_merge:  # one partial per query row: place them
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         for tile, (o, _) in zip(batch.tiles, results):
@@ -297,7 +307,7 @@ def _attend_tile(
         if width_q == 1 and not tile.causal and decode is not None:
             # One query per item: read K/V from the pool, no gather.
             return decode(
-                q.index_select(0, tile.query_rows.view(-1)),  # (I, H, D)
+                q.contiguous() if tile.in_order else q.index_select(0, tile.query_rows.view(-1)),  # (I, H, D)
                 pool_keys,
                 pool_values,
                 tile.key_slots.view(items, width_k),
@@ -308,7 +318,10 @@ def _attend_tile(
             # Several queries per item (prefill chunks, shared segments); the op takes head
             # sizes that are a multiple of 8 and at most 64 query heads per K/V head.
             o, lse = flash(
-                q[tile.query_rows].contiguous(),  # (I, Qm, H, D)
+                (
+                    q.reshape(items, width_q, num_heads, head_dim) if tile.in_order else q[tile.query_rows]
+                ).contiguous(),
+                # (I, Qm, H, D)
                 pool_keys,
                 pool_values,
                 tile.key_slots.view(items, width_k),

@@ -15,6 +15,7 @@ from computed.attention import AttentionBatch, paged_attention
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
 from computed.model.layers import Linear, RMSNorm, SwiGLU, fuse_rows, linear, pack_weight
+from computed.model.native import NativeForward
 from computed.model.rope import RotaryEmbedding, apply_rotary_qk
 
 
@@ -118,6 +119,8 @@ class CausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
         self.tie_weights()
+        # The same forward without the modules' glue, once `pack_projections` ran on CPU float32.
+        self.native: NativeForward | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output head when the config says so."""
@@ -134,16 +137,20 @@ class CausalLM(nn.Module):
     def pack_projections(self) -> None:
         """Every product's weight packed for the native CPU kernel (`pack_weight`: a second
         copy of the weights, laid out for `kvcache::packed_linear`; a no-op off CPU float32).
-        Call after `fuse_projections`, once the weights are final."""
+        Call after `fuse_projections`, once the weights are final: `forward` then runs
+        `NativeForward` where every product packed (bit for bit the modules' results)."""
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
         self.lm_head.pack()
+        self.native = NativeForward.build(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
         """input_ids (T,) -> hidden (T, hidden_size)."""
         self._check_pool(pool)
+        if self.native is not None:
+            return self.native.forward(input_ids, batch, pool)
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
         for layer in self.model.layers:
@@ -156,6 +163,8 @@ class CausalLM(nn.Module):
 
         The matmul runs in the model's dtype (as transformers does); the result is upcast.
         """
+        if self.native is not None:
+            return self.native.compute_logits(hidden)
         return self.lm_head(hidden).float()
 
     def _check_pool(self, pool: KVPool) -> None:

@@ -180,6 +180,20 @@ def test_kernel_calls_do_not_grow_with_the_batch() -> None:
     assert len(tiles(64)) == 2  # the shared segment, and every private context in one tile
 
 
+def test_decode_rows_of_like_length_share_one_tile() -> None:
+    """Private contexts that pad to at most twice their keys are one tile (one kernel call
+    a layer), and a decode step's single tile reads q and writes its result in place;
+    contexts far apart split by powers of two."""
+
+    def tiles(contexts: list[int]) -> list[tuple[int, int, bool]]:
+        spans = [SpanInput(list(range(20 * i, 20 * i + 20)), n - 1, 1) for i, n in enumerate(contexts)]
+        batch = AttentionBatch.build(spans, 4, CPU)
+        return [(t.num_items, t.num_keys, t.in_order) for t in batch.tiles]
+
+    assert tiles([40, 70, 33]) == [(3, 70, True)]  # 143 keys, 210 padded: one tile
+    assert tiles([5, 70, 7]) == [(2, 7, False), (1, 70, False)]  # 82 keys would pad to 210
+
+
 def test_a_full_hit_reads_its_last_position_from_the_pool() -> None:
     """write_kv=False: the recomputed position's K/V comes from the committed block."""
     gen = torch.Generator().manual_seed(3)

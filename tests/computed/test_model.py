@@ -406,6 +406,8 @@ def test_fused_projections_keep_parameters_and_results(checkpoint: Path, monkeyp
 
     monkeypatch.setattr(kernels, "silu_mul", lambda: None)
     loaded = ours(checkpoint)
+    loaded.model.pack_projections()  # again under the patch (a cached model packed without it)
+    assert loaded.model.native is None  # NativeForward needs the native activation
     layer = loaded.model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
@@ -438,6 +440,7 @@ def test_fused_projections_keep_parameters_and_results(checkpoint: Path, monkeyp
         assert (loaded.model.model.layers[0].self_attn.q_proj.packed is not None) == packed
         assert torch.equal(logits(), fused)
     finally:
+        monkeypatch.undo()
         loaded.model.fuse_projections()
         loaded.model.pack_projections()
 

@@ -1,0 +1,148 @@
+"""The CPU float32 forward as one loop over plain tensors, for when every native kernel loaded.
+
+`CausalLM.forward` runs its modules: ~10 module calls a layer, a dozen parameter and
+buffer lookups (`nn.Module.__getattr__`, ~2 us each) and per-call dtype/device checks,
+about 1 ms of a decode step that is 3-8 ms for a batch of 1-8 rows (glue, not
+arithmetic). This runs the same ops in the same order on the same tensors, pulled out of
+the modules once after packing, so its results are bit for bit the modules'
+(tests/computed/test_native_forward.py). A whole step through `ModelRunner.run`
+(`python -m bench.attention_kernels`, decode steps block): 1 row 3.8 -> 2.8 ms, 8 rows
+over 1,113 keys 7.4 -> 6.5 ms, 64 rows over 1,121 keys 23.3 -> 21.8 ms.
+
+Invariant: built from a model whose weights are final (`CausalLM.pack_projections`); the
+tensors here are the modules' own (views, not copies), so a weight changed in place
+afterwards would show here, and a weight replaced by another tensor would not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from computed import kernels
+from computed.attention import AttentionBatch, paged_attention
+from computed.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    """One decoder layer's tensors: norms' weights, packed products and their widths."""
+
+    layer_idx: int
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # packed (q_size + 2 * kv_size, hidden)
+    qkv_bias: torch.Tensor | None  # (q_size + 2 * kv_size,) Qwen2's biases, or None
+    q_norm: torch.Tensor | None  # (head_dim,) Qwen3's per-head norms, or None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # packed (hidden, q_size)
+    post_norm: torch.Tensor  # (hidden,)
+    gate_up: torch.Tensor  # packed (2 * intermediate, hidden)
+    down: torch.Tensor  # packed (hidden, intermediate)
+    split_sizes: tuple[int, int, int]  # q_size, kv_size, kv_size
+    gate_up_size: int  # 2 * intermediate
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+@dataclass(frozen=True)
+class NativeForward:
+    """`CausalLM.forward` and `compute_logits` on CPU float32 by the native kernels only."""
+
+    embed: torch.Tensor  # (vocab, hidden)
+    layers: tuple[NativeLayer, ...]
+    final_norm: torch.Tensor  # (hidden,)
+    lm_head: torch.Tensor  # packed (vocab, hidden)
+    hidden_size: int
+    vocab_size: int
+    eps: float
+    rotary: torch.nn.Module  # the model's RotaryEmbedding (its cos/sin tables)
+    ops: tuple[Callable, Callable, Callable, Callable]  # rms_norm, rotary, silu_mul, packed_linear
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> NativeForward | None:
+        """From a fused, packed `CausalLM`; None where some part cannot run natively
+        (another device or dtype, no kernels, an unfused or unpacked product)."""
+        ops = (kernels.rms_norm(), kernels.rotary(), kernels.silu_mul(), kernels.packed_linear())
+        if any(op is None for op in ops) or model.lm_head.packed is None or model.lm_head.bias is not None:
+            return None
+        norms = [model.model.norm]
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_packed is None or attn.o_proj.packed is None or attn.o_proj.bias is not None:
+                return None
+            if mlp.gate_up_packed is None or mlp.down_proj.packed is None:
+                return None
+            qk_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (None, None)
+            norms += [layer.input_layernorm, layer.post_attention_layernorm, *filter(None, qk_norms)]
+            layers.append(
+                NativeLayer(
+                    layer_idx=attn.layer_idx,
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv=attn.qkv_packed,
+                    qkv_bias=attn.qkv_bias,
+                    q_norm=None if qk_norms[0] is None else qk_norms[0].weight.detach(),
+                    k_norm=None if qk_norms[1] is None else qk_norms[1].weight.detach(),
+                    o=attn.o_proj.packed,
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=mlp.gate_up_packed,
+                    down=mlp.down_proj.packed,
+                    split_sizes=tuple(attn.split_sizes),
+                    gate_up_size=mlp.gate_up_weight.shape[0],
+                    num_heads=attn.num_heads,
+                    num_kv_heads=attn.num_kv_heads,
+                    head_dim=attn.head_dim,
+                    scale=attn.scale,
+                )
+            )
+        # The norms' native kernel takes contiguous float32 weights (as RMSNorm.forward checks).
+        if len({n.eps for n in norms}) != 1 or not all(
+            n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms
+        ):
+            return None
+        return cls(
+            embed=model.model.embed_tokens.weight.detach(),
+            layers=tuple(layers),
+            final_norm=model.model.norm.weight.detach(),
+            lm_head=model.lm_head.packed,
+            hidden_size=model.config.hidden_size,
+            vocab_size=model.config.vocab_size,
+            eps=norms[0].eps,
+            rotary=model.rotary,
+            ops=tuple(op.default for op in ops),
+        )
+
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
+        """input_ids (T,) -> final-normed hidden (T, hidden), writing the new K/V into `pool`."""
+        rms, rotary, silu_mul, product = self.ops
+        eps, hidden = self.eps, self.hidden_size
+        x = self.embed.index_select(0, input_ids)  # (T, hidden)
+        num_tokens = x.shape[0]
+        cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
+        for layer in self.layers:
+            sizes = layer.split_sizes
+            h = rms(x, layer.input_norm, eps)
+            q, k, v = product(h, layer.qkv, layer.qkv_bias, sizes[0] + sizes[1] + sizes[2]).split(
+                sizes, dim=-1
+            )
+            q = q.view(num_tokens, layer.num_heads, layer.head_dim)  # (T, H, D)
+            k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)  # (T, Hkv, D)
+            v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+            if layer.q_norm is not None:
+                q, k = rms(q.contiguous(), layer.q_norm, eps), rms(k.contiguous(), layer.k_norm, eps)
+            q, k = rotary(q, k, cos, sin)
+            out = paged_attention(q, k, v, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
+            x = x + product(out.reshape(num_tokens, sizes[0]), layer.o, None, hidden)
+            h = rms(x, layer.post_norm, eps)
+            x = x + product(
+                silu_mul(product(h, layer.gate_up, None, layer.gate_up_size)), layer.down, None, hidden
+            )
+        return rms(x, self.final_norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> float32 logits (N, vocab)."""
+        return self.ops[3](hidden.contiguous(), self.lm_head, None, self.vocab_size)
