@@ -14,6 +14,7 @@ namespace kvcache_vec {
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
 typedef int v8i __attribute__((vector_size(32)));
+typedef unsigned v8u32 __attribute__((vector_size(32)));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
@@ -41,16 +42,32 @@ inline v8 exp2_core(v8 t) {
   return p * scale;
 }
 
-// 2^x per lane for x <= 0 (scores minus their row max); x < -126 gives 0.
+// 2^x per lane for x <= 0 (scores minus their row max); x < -126.5 gives 0, as do -inf
+// and NaN. exp2_core's value (but for x an exact half-integer, rounded to the other
+// neighbouring n: the same 2^x within float rounding), in 11 vector ops where clamping
+// and masking took 17 (the softmax's weights are a fifth of the flash kernel's
+// work at head size 32): x is raised to -127 (NaN too), 1.5 * 2^23 + 127 added rounds it
+// to n + 127 in the low bits of the sum, which shifted up by 23 are the bits of 2^n (0,
+// the float 0, for n = -127).
 inline v8 exp2_neg(v8 x) {
-  v8i keep = x >= splat(-126.f);
-  x = x < splat(-126.f) ? splat(-126.f) : x;
-  v8 r = exp2_core(x);
-  v8i ri;
-  std::memcpy(&ri, &r, sizeof(ri));
-  ri &= keep;
-  std::memcpy(&r, &ri, sizeof(r));
-  return r;
+  const v8 lowest = splat(-127.f);
+  x = x > lowest ? x : lowest;
+  const v8 biased = splat(12583039.f);  // 1.5 * 2^23 + 127
+  const v8 sum = x + biased;
+  const v8 f = x - (sum - biased);  // x - n, in [-0.5, 0.5]
+  v8 p = splat(1.5403530393381606e-4f);
+  p = p * f + splat(1.3333558146428443e-3f);
+  p = p * f + splat(9.6181291076284772e-3f);
+  p = p * f + splat(5.5504108664821580e-2f);
+  p = p * f + splat(2.4022650695910071e-1f);
+  p = p * f + splat(6.9314718055994531e-1f);
+  p = p * f + splat(1.f);
+  v8u32 bits;
+  std::memcpy(&bits, &sum, sizeof(bits));
+  bits <<= 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 // e^x per lane for any finite x, the exponent clamped to [-126, 126] in base 2 (so about
