@@ -87,15 +87,26 @@ async def run_requests(
     """All prompts through one channel, `concurrency` streams at a time (each streamed
     per `stream_interval`, see GenerateRequest)."""
     async with AsyncComputedClient(address) as client:
-        gate = asyncio.Semaphore(concurrency)
+        return await run_on(client, prompts, max_tokens, concurrency, stream_interval)
 
-        async def one(prompt: Sequence[int]) -> Outcome:
-            async with gate:
-                return await generate_one(client, prompt, max_tokens, stream_interval=stream_interval)
 
-        started = time.perf_counter()
-        outcomes = await asyncio.gather(*(one(p) for p in prompts))
-        return RunOutcome(list(outcomes), time.perf_counter() - started)
+async def run_on(
+    client: AsyncComputedClient,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    concurrency: int,
+    stream_interval: int = 0,
+) -> RunOutcome:
+    """`run_requests` through a client already connected (a chat's turns share one)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: Sequence[int]) -> Outcome:
+        async with gate:
+            return await generate_one(client, prompt, max_tokens, stream_interval=stream_interval)
+
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(*(one(p) for p in prompts))
+    return RunOutcome(list(outcomes), time.perf_counter() - started)
 
 
 def run_sync(

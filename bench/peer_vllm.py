@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.context import BenchContext
-from bench.driver import run_requests
+from bench.driver import run_on, run_requests
 from bench.report import BenchResult, Figure, Goal
 from bench.stack import Stack
 from bench.workloads import random_tokens
@@ -244,19 +244,25 @@ def _run_ours(ctx: BenchContext, loads: list[Workload]) -> dict[str, SideRun]:
 
 
 async def _conversations(address: str, load: Workload, stream_interval: int = 0) -> SideRun:
+    """Each turn of every conversation at once, timed from its first request to its last
+    answer. The turns share one channel, as a chat client keeps its connection open (it
+    connects on the first turn's first request, inside that turn's time)."""
+    from clients.aio_client import AsyncComputedClient
+
     histories = [list(load.system) for _ in load.conversations]
     wall, prompts_sent, outputs, cached = 0.0, [], [], []
-    for turn in range(max(len(c) for c in load.conversations)):
-        live = [i for i, c in enumerate(load.conversations) if turn < len(c)]
-        prompts = [histories[i] + load.conversations[i][turn] for i in live]
-        started = time.perf_counter()
-        done = await run_requests(address, prompts, OUTPUT, len(prompts), stream_interval)
-        wall += time.perf_counter() - started
-        for i, prompt, outcome in zip(live, prompts, done.outcomes):
-            histories[i] = prompt + list(outcome.token_ids)
-            prompts_sent.append(prompt)
-            outputs.append(list(outcome.token_ids))
-            cached.append(outcome.cached_tokens)
+    async with AsyncComputedClient(address) as client:
+        for turn in range(max(len(c) for c in load.conversations)):
+            live = [i for i, c in enumerate(load.conversations) if turn < len(c)]
+            prompts = [histories[i] + load.conversations[i][turn] for i in live]
+            started = time.perf_counter()
+            done = await run_on(client, prompts, OUTPUT, len(prompts), stream_interval)
+            wall += time.perf_counter() - started
+            for i, prompt, outcome in zip(live, prompts, done.outcomes):
+                histories[i] = prompt + list(outcome.token_ids)
+                prompts_sent.append(prompt)
+                outputs.append(list(outcome.token_ids))
+                cached.append(outcome.cached_tokens)
     return SideRun(wall, prompts_sent, outputs, cached)
 
 

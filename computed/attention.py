@@ -408,6 +408,17 @@ def _write(
         k_new = k_new.index_select(0, batch.write_token_index)
         v_new = v_new.index_select(0, batch.write_token_index)
     _, _, num_kv_heads, head_dim = key_cache.shape
+    if key_cache.device.type == "cpu" and key_cache.dtype == k_new.dtype == v_new.dtype == torch.float32:
+        op = kernels.write_kv()
+        if op is not None:  # one call, v read where it lies (see kv_write.cpp)
+            op(
+                key_cache.view(-1, num_kv_heads, head_dim),
+                value_cache.view(-1, num_kv_heads, head_dim),
+                k_new,
+                v_new,
+                batch.write_slots,
+            )
+            return
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.write_slots, k_new.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
         0, batch.write_slots, v_new.to(value_cache.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from computed import kernels
 from computed.sequence import SamplingParams
 
 
@@ -17,12 +18,22 @@ def sample(
     generator, so a request with a seed is reproducible whatever it is batched with.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
-    tokens = logits.argmax(dim=-1).tolist()  # (N,)
+    tokens = _argmax(logits).tolist()  # (N,)
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.is_greedy:
             continue
         tokens[row] = _sample_row(logits[row], p, gen)
     return tokens
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`; on CPU float32 by the native kernel (the same indices,
+    several times faster: see computed/kernels/argmax.cpp)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        op = kernels.argmax_rows()
+        if op is not None and logits.shape[1] > 0:
+            return op(logits)
+    return logits.argmax(dim=-1)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -6,7 +6,9 @@
 and `torch.ops.kvcache.packed_linear` ops (packed_linear.cpp), `rotary()` the
 `torch.ops.kvcache.rotary` op (rotary.cpp), `rms_norm()` the `torch.ops.kvcache.rms_norm`
 op (rms_norm.cpp), `merge_partials()` the `torch.ops.kvcache.merge_partials` op
-(merge.cpp) and `silu_mul()` the `torch.ops.kvcache.silu_mul` op (silu_mul.cpp), or None
+(merge.cpp), `silu_mul()` the `torch.ops.kvcache.silu_mul` op (silu_mul.cpp),
+`argmax_rows()` the `torch.ops.kvcache.argmax_rows` op (argmax.cpp) and `write_kv()` the
+`torch.ops.kvcache.write_kv` op (kv_write.cpp), or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
 `COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
 results (attention, linear, norms and activation up to float rounding, rotary bit for
@@ -35,6 +37,8 @@ SOURCES = tuple(
         "rms_norm.cpp",
         "merge.cpp",
         "silu_mul.cpp",
+        "argmax.cpp",
+        "kv_write.cpp",
     )
 )
 ENV = "COMPUTED_CPU_KERNELS"
@@ -99,6 +103,19 @@ def silu_mul() -> Callable | None:
     return torch.ops.kvcache.silu_mul if _loaded()[0] else None
 
 
+def argmax_rows() -> Callable | None:
+    """Greedy sampling's argmax (`argmax_rows(x) -> index`, each row's first maximum, a NaN
+    counting as the maximum: exactly `torch.argmax(x, dim=-1)`), or None as `paged_decode()`."""
+    return torch.ops.kvcache.argmax_rows if _loaded()[0] else None
+
+
+def write_kv() -> Callable | None:
+    """The pool write of a step's new K/V (`write_kv(keys, values, k, v, slots)`, in place:
+    row t of k and v into slot slots[t], what two `index_copy_` calls do), or None as
+    `paged_decode()`."""
+    return torch.ops.kvcache.write_kv if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -112,7 +129,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "packed_linear"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "write_kv"):
         return True, None
     try:
         from torch.utils import cpp_extension

@@ -71,7 +71,10 @@ inline float exp2_weights(float* s, int64_t n, float mx) {
 // faster (bench.attention_kernels, flash block: 64 decode rows x 1,024 shared keys 1.62 ->
 // 1.45 ms, 2,048 rows 45.8 -> 42.5 ms); at 256 the scores no longer sit in L1 and it slows.
 constexpr int kBlockKeys = 128;
-constexpr int kBlockRows = 64;   // query rows per unit (positions x group)
+// Query rows per unit (positions x group): a multiple of the 3-row register tile, so no
+// row of a unit is padding where the group divides it (33 positions of 2 heads; 64 rows
+// padded to 66 cost 3%: bench.attention_kernels, flash block).
+constexpr int kBlockRows = 66;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shape {

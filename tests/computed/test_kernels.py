@@ -373,3 +373,64 @@ def test_silu_mul_rejects_odd_or_strided_input() -> None:
         op(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         op(torch.randn(8, 4).t())
+
+
+@needs_compiler
+@pytest.mark.parametrize(("rows", "width"), [(1, 1), (3, 7), (64, 4096), (5, 8), (9, 37), (2, 16)])
+def test_argmax_rows_is_torch_argmax(rows: int, width: int) -> None:
+    """The same index as torch.argmax: the first of tied maxima (in a vector lane, across
+    lanes and in the tail), the first NaN where a row has one, 0 for a row of -inf."""
+    op = _built(kernels.argmax_rows())
+    gen = torch.Generator().manual_seed(rows * width)
+    x = torch.randint(-3, 3, (rows, width), generator=gen).float()  # many ties
+    want = x.argmax(dim=-1)
+    assert torch.equal(op(x), want)
+    y = torch.randn(rows, width, generator=gen)
+    assert torch.equal(op(y), y.argmax(dim=-1))
+    if width > 2:
+        z = y.clone()
+        z[0, width - 1] = float("nan")  # the tail or the last lane
+        z[-1, 1] = float("nan")
+        z[-1, width - 1] = float("nan")
+        assert torch.equal(op(z), z.argmax(dim=-1))
+    ninf = torch.full((rows, width), float("-inf"))
+    assert torch.equal(op(ninf), ninf.argmax(dim=-1))
+
+
+@needs_compiler
+def test_argmax_rows_refuses_bad_input() -> None:
+    op = _built(kernels.argmax_rows())
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        op(torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="V >= 1"):
+        op(torch.randn(3, 0))
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_write_kv_is_index_copy(tokens: int) -> None:
+    """Rows of k and of a strided v (a column block of the fused product) land in their
+    slots as two index_copy_ calls put them; other slots keep their values."""
+    op = _built(kernels.write_kv())
+    gen = torch.Generator().manual_seed(tokens)
+    keys, values = torch.randn(2, 512, 4, 8, generator=gen).unbind(0)
+    qkv = torch.randn(tokens, 96, generator=gen)
+    k, v = qkv[:, 32:64].view(tokens, 4, 8), qkv[:, 64:].view(tokens, 4, 8)
+    slots = torch.randperm(512, generator=gen)[:tokens]
+    want_k, want_v = keys.clone().index_copy_(0, slots, k), values.clone().index_copy_(0, slots, v)
+    op(keys, values, k, v, slots)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+
+
+@needs_compiler
+def test_write_kv_refuses_bad_slots_and_shapes() -> None:
+    op = _built(kernels.write_kv())
+    keys, values = torch.zeros(2, 16, 2, 8).unbind(0)
+    k = torch.ones(3, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the pool of 16"):
+        op(keys, values, k, k, torch.tensor([0, 16, 1]))
+    with pytest.raises(RuntimeError, match="slots must be contiguous int64"):
+        op(keys, values, k, k, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="shaped like the pool's rows"):
+        op(keys, values, torch.ones(3, 2, 4), torch.ones(3, 2, 4), torch.tensor([0, 1, 2]))
+    assert not keys.any()  # nothing written by a refused call
