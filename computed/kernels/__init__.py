@@ -1,14 +1,10 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
-`paged_decode()` answers the `torch.ops.kvcache.paged_decode` op (paged_decode.cpp),
-`paged_flash()` the `torch.ops.kvcache.paged_flash` op (paged_flash.cpp),
-`pack_linear_weight()` and `packed_linear()` the `torch.ops.kvcache.pack_linear_weight`
-and `torch.ops.kvcache.packed_linear` ops (packed_linear.cpp), `rotary()` the
-`torch.ops.kvcache.rotary` op (rotary.cpp), `rms_norm()` the `torch.ops.kvcache.rms_norm`
-op (rms_norm.cpp), `merge_partials()` the `torch.ops.kvcache.merge_partials` op
-(merge.cpp), `silu_mul()` the `torch.ops.kvcache.silu_mul` op (silu_mul.cpp),
-`argmax_rows()` the `torch.ops.kvcache.argmax_rows` op (argmax.cpp) and `write_kv()` the
-`torch.ops.kvcache.write_kv` op (kv_write.cpp), or None
+Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
+(paged_decode.cpp), `paged_flash()` (paged_flash.cpp), `pack_linear_weight()` and
+`packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
+`add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
+(silu_mul.cpp), `argmax_rows()` (argmax.cpp) and `write_kv()` (kv_write.cpp); or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
 `COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
 results (attention, linear, norms and activation up to float rounding, rotary bit for
@@ -88,6 +84,12 @@ def rms_norm() -> Callable | None:
     """The RMSNorm op (`rms_norm(x, weight, eps)`, float32 rounding of
     `computed.model.layers.RMSNorm`'s torch ops), or None as `paged_decode()`."""
     return torch.ops.kvcache.rms_norm if _loaded()[0] else None
+
+
+def add_rms_norm() -> Callable | None:
+    """A residual add and the RMSNorm after it (`add_rms_norm(x, residual, weight, eps) ->
+    (norm, sum)`, bit for bit `rms_norm()` of `x + residual`), or None as `paged_decode()`."""
+    return torch.ops.kvcache.add_rms_norm if _loaded()[0] else None
 
 
 def merge_partials() -> Callable | None:

@@ -6,8 +6,8 @@ about 1 ms of a decode step that is 3-8 ms for a batch of 1-8 rows (glue, not
 arithmetic). This runs the same ops in the same order on the same tensors, pulled out of
 the modules once after packing, so its results are bit for bit the modules'
 (tests/computed/test_native_forward.py). A whole step through `ModelRunner.run`
-(`python -m bench.attention_kernels`, decode steps block): 1 row 3.8 -> 2.8 ms, 8 rows
-over 1,113 keys 7.4 -> 6.5 ms, 64 rows over 1,121 keys 23.3 -> 21.8 ms.
+(`python -m bench.attention_kernels`, decode steps block): 1 row 3.9 -> 2.8 ms, 8 rows
+over 1,113 keys 7.6 -> 6.6 ms, 64 rows over 1,121 keys 22.0 -> 21.0 ms.
 
 Invariant: built from a model whose weights are final (`CausalLM.pack_projections`); the
 tensors here are the modules' own (views, not copies), so a weight changed in place
@@ -60,13 +60,19 @@ class NativeForward:
     vocab_size: int
     eps: float
     rotary: torch.nn.Module  # the model's RotaryEmbedding (its cos/sin tables)
-    ops: tuple[Callable, Callable, Callable, Callable]  # rms_norm, rotary, silu_mul, packed_linear
+    ops: tuple[Callable, ...]  # rms_norm, add_rms_norm, rotary, silu_mul, packed_linear
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeForward | None:
         """From a fused, packed `CausalLM`; None where some part cannot run natively
         (another device or dtype, no kernels, an unfused or unpacked product)."""
-        ops = (kernels.rms_norm(), kernels.rotary(), kernels.silu_mul(), kernels.packed_linear())
+        ops = (
+            kernels.rms_norm(),
+            kernels.add_rms_norm(),
+            kernels.rotary(),
+            kernels.silu_mul(),
+            kernels.packed_linear(),
+        )
         if any(op is None for op in ops) or model.lm_head.packed is None or model.lm_head.bias is not None:
             return None
         norms = [model.model.norm]
@@ -117,15 +123,20 @@ class NativeForward:
         )
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        """input_ids (T,) -> final-normed hidden (T, hidden), writing the new K/V into `pool`."""
-        rms, rotary, silu_mul, product = self.ops
+        """input_ids (T,) -> final-normed hidden (T, hidden), writing the new K/V into `pool`.
+
+        Each residual add runs with the norm after it (`add_rms_norm`: the sum as torch adds,
+        then the same norm), so a layer is its modules' `x + attn(norm(x))`, then
+        `x + mlp(norm(x))`, with the next layer's input norm (or the final one) taken last."""
+        rms, add_rms, rotary, silu_mul, product = self.ops
         eps, hidden = self.eps, self.hidden_size
-        x = self.embed.index_select(0, input_ids)  # (T, hidden)
+        x = self.embed.index_select(0, input_ids)  # (T, hidden): the residual stream
         num_tokens = x.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
-        for layer in self.layers:
+        h = rms(x, self.layers[0].input_norm, eps)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, next_norm in zip(self.layers, next_norms):
             sizes = layer.split_sizes
-            h = rms(x, layer.input_norm, eps)
             q, k, v = product(h, layer.qkv, layer.qkv_bias, sizes[0] + sizes[1] + sizes[2]).split(
                 sizes, dim=-1
             )
@@ -136,13 +147,13 @@ class NativeForward:
                 q, k = rms(q.contiguous(), layer.q_norm, eps), rms(k.contiguous(), layer.k_norm, eps)
             q, k = rotary(q, k, cos, sin)
             out = paged_attention(q, k, v, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
-            x = x + product(out.reshape(num_tokens, sizes[0]), layer.o, None, hidden)
-            h = rms(x, layer.post_norm, eps)
-            x = x + product(
-                silu_mul(product(h, layer.gate_up, None, layer.gate_up_size)), layer.down, None, hidden
+            h, x = add_rms(
+                x, product(out.reshape(num_tokens, sizes[0]), layer.o, None, hidden), layer.post_norm, eps
             )
-        return rms(x, self.final_norm, eps)
+            up = silu_mul(product(h, layer.gate_up, None, layer.gate_up_size))
+            h, x = add_rms(x, product(up, layer.down, None, hidden), next_norm, eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> float32 logits (N, vocab)."""
-        return self.ops[3](hidden.contiguous(), self.lm_head, None, self.vocab_size)
+        return self.ops[-1](hidden.contiguous(), self.lm_head, None, self.vocab_size)

@@ -265,6 +265,21 @@ def test_rms_norm_refuses_bad_inputs(rms_norm) -> None:
         rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8), 1e-6)
 
 
+@needs_compiler
+@pytest.mark.parametrize("shape", [(1, 256), (64, 256), (16, 13), (1100, 200)])
+def test_add_rms_norm_is_the_add_then_the_norm(rms_norm, shape) -> None:
+    """Bit for bit `x + residual` (torch's add) and `rms_norm` of it."""
+    op = _built(kernels.add_rms_norm())
+    gen = torch.Generator().manual_seed(sum(shape))
+    x, residual = torch.randn(2, *shape, generator=gen).unbind(0)
+    weight = torch.randn(shape[-1], generator=gen)
+    y, total = op(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(y, rms_norm(x + residual, weight, 1e-5))
+    with pytest.raises(RuntimeError, match="residual shaped like x"):
+        op(x, residual[:, :-1].contiguous(), weight, 1e-5)
+
+
 @pytest.fixture(scope="module")
 def rotary():
     return _built(kernels.rotary())
