@@ -323,21 +323,29 @@ class Engine:
                     self.scheduler.apply_result(held, again)
             await self._copy_blocks()
             chunks = self.scheduler.schedule()
+            ahead = self.scheduler.plan_grows()  # the admitted sequences' next slots
+            rpc = None if ahead.is_empty else asyncio.create_task(self._step(ahead))
             if chunks:
                 await self._forward(chunks)
+            if rpc is not None:
+                await self._take(ahead, rpc)
             return bool(chunks)
         chunks = self.scheduler.schedule()
         rpc = None if ops.is_empty else asyncio.create_task(self._step(ops))
         if chunks:
             await self._forward(chunks)
         if rpc is not None:
-            started = time.monotonic()
-            result = await rpc  # usually done already: it travelled while the model ran
-            self.stats.directory_wait_seconds += time.monotonic() - started
-            if result is not None:
-                self.scheduler.apply_result(ops, result)
-                await self._copy_blocks()
+            await self._take(ops, rpc)
         return bool(chunks) or not ops.is_empty
+
+    async def _take(self, ops: DirectoryOps, rpc: asyncio.Task) -> None:
+        """blockd's answer to `ops`, sent before the forward, applied after it."""
+        started = time.monotonic()
+        result = await rpc  # usually done already: it travelled while the model ran
+        self.stats.directory_wait_seconds += time.monotonic() - started
+        if result is not None:
+            self.scheduler.apply_result(ops, result)
+            await self._copy_blocks()
 
     async def _copy_blocks(self) -> None:
         """The copies blockd's answer owes, in the forward thread (they touch the pool),

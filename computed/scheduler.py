@@ -129,12 +129,25 @@ class Scheduler:
         self._held_behind_admits = False
         ops = DirectoryOps(commits=self._pending_commits, releases=self._pending_releases)
         self._pending_commits, self._pending_releases = [], []
+        ops.grows = self._grows()
+        ops.admits = self._plan_admits(ops)
+        return ops
+
+    def plan_grows(self) -> DirectoryOps:
+        """The one-step-ahead grows of sequences that started running since `plan_ops`
+        (admitted by its answer), to send while this step's forward runs (call after
+        `schedule`). Why: a prompt that fills its last block (a chat turn's usually
+        does) has no slot for its first decode token; asked only at the next step, that
+        grow held the model back for a Step round trip (4-5 ms) after every such prefill."""
+        return DirectoryOps(grows=self._grows())
+
+    def _grows(self) -> list[GrowOp]:
+        grows = []
         for seq in self.running:
             needed_now, wanted = self._capacity_needs(seq)
             if seq.capacity < wanted:
-                ops.grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=seq.capacity < needed_now))
-        ops.admits = self._plan_admits(ops)
-        return ops
+                grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=seq.capacity < needed_now))
+        return grows
 
     def plan_held_admits(self) -> DirectoryOps | None:
         """Admissions only, for requests this step's `plan_ops` held behind a sequence it

@@ -47,6 +47,7 @@ class Harness:
         self.shadow: dict[int, int] = {}  # pool slot -> token id whose K/V it holds
         self.num_model_tokens = 0
         self.max_chunk = 0
+        self.urgent_waits = 0  # steps that waited on blockd for a grow alone
         self._ids = 0
 
     def add(self, prompt: list[int], max_tokens: int, salt: str = "") -> Sequence:
@@ -114,10 +115,14 @@ class Harness:
                 return
             ops = self.scheduler.plan_ops()
             if ops.must_wait:
+                self.urgent_waits += not ops.admits
                 self.scheduler.apply_result(ops, self.step_directory(ops))
                 chunks = self.scheduler.schedule()
+                ahead = self.scheduler.plan_grows()
+                result = self.step_directory(ahead)  # in flight while the model runs
                 if chunks:
                     self.scheduler.on_forward_done(chunks, self.forward(chunks))
+                self.scheduler.apply_result(ahead, result)
             else:
                 chunks = self.scheduler.schedule()
                 result = self.step_directory(ops)  # in flight while the model runs
@@ -147,6 +152,17 @@ def test_second_identical_prompt_hits_and_computes_only_the_tail():
     assert b.num_cached_tokens == 40
     # 3 uncached prompt tokens, then 4 decode steps (the 5th token needs no forward)
     assert h.num_model_tokens - before == 3 + 4
+
+
+def test_a_prompt_that_fills_its_blocks_decodes_without_waiting_for_a_grow():
+    """Its first decode token needs a new block: asked while the prefill runs
+    (`plan_grows`), not as an urgent grow the next step waits for."""
+    h = Harness(num_blocks=64)
+    prompts = [rand_prompt(random.Random(9), 4 * 4), rand_prompt(random.Random(10), 6 * 4)]
+    seqs = [h.add(p, 6) for p in prompts]
+    h.run()
+    assert [s.completion_token_ids for s in seqs] == [reference(p, 6) for p in prompts]
+    assert h.urgent_waits == 0
 
 
 def test_fully_cached_prompt_recomputes_only_its_last_position():
