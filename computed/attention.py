@@ -47,6 +47,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,8 +60,7 @@ from computed.kv_pool import KVPool
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-@dataclass(frozen=True)
-class SpanInput:
+class SpanInput(NamedTuple):
     """One sequence's part of a step, in plain Python, as the engine knows it.
 
     Positions `[0, num_computed_tokens)` already have K/V in the pool; this step computes
@@ -70,6 +70,7 @@ class SpanInput:
     tokens get their K/V written: True (all), False (none) or one bool per new token.
     A token that is not written must already have its K/V in the pool at its slot (a
     cached block), because attention reads the whole context back from the pool.
+    (Immutable, as a tuple: a step makes one per sequence, a frozen dataclass cost 2 us.)
     """
 
     block_table: Sequence[int]

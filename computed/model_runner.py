@@ -97,17 +97,16 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
         for i, chunk in enumerate(chunks):
-            seq = chunk.seq
-            writes = [p >= chunk.write_from for p in range(chunk.start, chunk.end)]
-            spans.append(
-                SpanInput(
-                    block_table=list(seq.block_table),
-                    num_computed_tokens=chunk.start,
-                    num_new_tokens=chunk.num_tokens,
-                    write_kv=writes[0] if len(set(writes)) == 1 else writes,
-                )
-            )
-            token_ids.extend(seq.token_ids[chunk.start : chunk.end])
+            seq, start, end, write_from = chunk.seq, chunk.start, chunk.end, chunk.write_from
+            if write_from <= start:
+                writes: bool | list[bool] = True
+            elif write_from >= end:
+                writes = False
+            else:
+                writes = [p >= write_from for p in range(start, end)]
+            # A copy of the table: blockd's answer may extend it while this step runs.
+            spans.append(SpanInput(list(seq.block_table), start, end - start, writes))
+            token_ids.extend(seq.token_ids[start:end])
             if chunk.sample:
                 sample_rows.append(len(token_ids) - 1)
                 sample_chunks.append(i)
