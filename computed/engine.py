@@ -285,6 +285,11 @@ class Engine:
         self._new_arrivals = False
         now = time.monotonic()
         arrived = len(self.scheduler.waiting)  # nothing runs: these are the burst so far
+        if arrived == 0:
+            # The flag came from requests admitted while others ran: nothing to gather. (A
+            # chat turn's last step used to wait out a quiet spell here, 5-7 ms, before its
+            # releases went and the next turn's requests had even been sent.)
+            return
         gather = self._burst_size > 1 or arrived > 1
         self._burst_started, self._burst_size = now, max(1, arrived)
         if not gather or self._admission_window <= 0:

@@ -9,6 +9,7 @@ to blockd when requests finish or are cancelled, and a failed Step is recovered.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -257,3 +258,20 @@ def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window:
     assert first_burst[0] == 1, first_burst  # nothing seen yet: the first request goes at once
     assert second_burst[0] == (3 if window else 1), second_burst
     assert alone == [1, 1], alone  # a lone request: its prefill step, then its decode step
+
+
+def test_no_gathering_without_a_waiting_request(tiny_models: TinyModels) -> None:
+    """The arrival flag can outlive its requests (they were admitted while others ran):
+    with nothing waiting, the engine does not sit out a quiet spell (a quarter of the
+    window, 75 ms here), and the last burst's size stays, so the next burst still gathers."""
+
+    async def run() -> tuple[float, int]:
+        engine, _ = build(tiny_models, admission_window=0.3)
+        engine._burst_size, engine._new_arrivals = 3, True
+        started = time.monotonic()
+        await engine._gather_arrivals()
+        return time.monotonic() - started, engine._burst_size
+
+    waited, burst = asyncio.run(run())
+    assert waited < 0.03, waited
+    assert burst == 3
