@@ -3,7 +3,8 @@
 //
 // Why: two `index_copy_` calls a layer cost 15 us each for 8 rows and 48 us for 64 (their
 // TensorIterator set-up, and a copy of the strided v first): 0.4 ms of a 21 ms decode
-// step of 64 rows (torch profiler, `python -m bench.attention_kernels`' decode steps).
+// step of 64 rows, 0.1 ms here (torch profiler over the default model's decode steps,
+// shaped as `python -m bench.attention_kernels`' decode steps block runs them).
 //
 // kvcache::write_kv(keys, values, k, v, slots) -> ()
 //   keys, values (S, Hkv, D) float32 contiguous: a layer's pool viewed one row per slot (written)

@@ -68,12 +68,13 @@ inline float exp2_weights(float* s, int64_t n, float mx) {
 
 // Keys per block (a multiple of the 32-key score tile). Each block costs every row a max, a
 // rescale of its output and a few scalar steps: 128 keys rather than 64 made the kernel 7%
-// faster (bench.attention_kernels, flash block: 64 decode rows x 1,024 shared keys 1.62 ->
-// 1.45 ms, 2,048 rows 45.8 -> 42.5 ms); at 256 the scores no longer sit in L1 and it slows.
+// faster (A/B of the two builds, 2 threads, on the tiles `python -m bench.attention_kernels`'
+// flash block times: 64 decode rows x 1,024 shared keys 1.62 -> 1.45 ms, 2,048 rows 45.8 ->
+// 42.5 ms); at 256 the scores no longer sit in L1 and it slowed.
 constexpr int kBlockKeys = 128;
 // Query rows per unit (positions x group): a multiple of the 3-row register tile, so no
 // row of a unit is padding where the group divides it (33 positions of 2 heads; 64 rows
-// padded to 66 cost 3%: bench.attention_kernels, flash block).
+// padded to 66 cost 3%: A/B of the two builds on the same tiles).
 constexpr int kBlockRows = 66;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
