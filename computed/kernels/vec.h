@@ -23,19 +23,23 @@ inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// 2^t per lane for t in [-126, 126] (callers clamp). Degree-6 series of e^(f ln 2) on f in
-// [-0.5, 0.5] (relative error about 1e-7, float32 rounding), scaled by 2^round(t).
-inline v8 exp2_core(v8 t) {
-  const v8 big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8 n = (t + big) - big;
-  v8 f = t - n;
+// e^(f ln 2) for f in [-0.5, 0.5]: the degree-6 series (relative error about 1e-7).
+inline v8 exp2_poly(v8 f) {
   v8 p = splat(1.5403530393381606e-4f);
   p = p * f + splat(1.3333558146428443e-3f);
   p = p * f + splat(9.6181291076284772e-3f);
   p = p * f + splat(5.5504108664821580e-2f);
   p = p * f + splat(2.4022650695910071e-1f);
   p = p * f + splat(6.9314718055994531e-1f);
-  p = p * f + splat(1.f);
+  return p * f + splat(1.f);
+}
+
+// 2^t per lane for t in [-126, 126] (callers clamp): exp2_poly of t's fraction, scaled by
+// 2^round(t).
+inline v8 exp2_core(v8 t) {
+  const v8 big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8 n = (t + big) - big;
+  v8 p = exp2_poly(t - n);
   v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
   v8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -54,14 +58,7 @@ inline v8 exp2_neg(v8 x) {
   x = x > lowest ? x : lowest;
   const v8 biased = splat(12583039.f);  // 1.5 * 2^23 + 127
   const v8 sum = x + biased;
-  const v8 f = x - (sum - biased);  // x - n, in [-0.5, 0.5]
-  v8 p = splat(1.5403530393381606e-4f);
-  p = p * f + splat(1.3333558146428443e-3f);
-  p = p * f + splat(9.6181291076284772e-3f);
-  p = p * f + splat(5.5504108664821580e-2f);
-  p = p * f + splat(2.4022650695910071e-1f);
-  p = p * f + splat(6.9314718055994531e-1f);
-  p = p * f + splat(1.f);
+  const v8 p = exp2_poly(x - (sum - biased));  // of x - n, in [-0.5, 0.5]
   v8u32 bits;
   std::memcpy(&bits, &sum, sizeof(bits));
   bits <<= 23;
