@@ -328,23 +328,21 @@ class Engine:
                     self.scheduler.apply_result(held, again)
             await self._copy_blocks()
             chunks = self.scheduler.schedule()
-            ahead = self.scheduler.plan_grows()  # the admitted sequences' next slots
-            rpc = None if ahead.is_empty else asyncio.create_task(self._step(ahead))
-            if chunks:
-                await self._forward(chunks)
-            if rpc is not None:
-                await self._take(ahead, rpc)
+            # The admitted sequences' next slots travel while their first forward runs.
+            await self._forward_alongside(chunks, self.scheduler.plan_grows())
             return bool(chunks)
         chunks = self.scheduler.schedule()
+        await self._forward_alongside(chunks, ops)
+        return bool(chunks) or not ops.is_empty
+
+    async def _forward_alongside(self, chunks: list[ScheduledChunk], ops: DirectoryOps) -> None:
+        """Run `chunks` while `ops` (none of them urgent) travel to blockd; blockd's answer
+        is applied, and its copies made, after the forward and before the next one."""
         rpc = None if ops.is_empty else asyncio.create_task(self._step(ops))
         if chunks:
             await self._forward(chunks)
-        if rpc is not None:
-            await self._take(ops, rpc)
-        return bool(chunks) or not ops.is_empty
-
-    async def _take(self, ops: DirectoryOps, rpc: asyncio.Task) -> None:
-        """blockd's answer to `ops`, sent before the forward, applied after it."""
+        if rpc is None:
+            return
         started = time.monotonic()
         result = await rpc  # usually done already: it travelled while the model ran
         self.stats.directory_wait_seconds += time.monotonic() - started

@@ -144,11 +144,15 @@ class Scheduler:
         return DirectoryOps(grows=self._grows())
 
     def _grows(self) -> list[GrowOp]:
+        """Running sequences whose table cannot hold one token more than they have. This
+        step writes at most up to the newest token (a fully cached prompt writes nothing):
+        short of that the grow is urgent; the slot after it lets the next decode run
+        without waiting on blockd."""
         grows = []
-        limit = self._token_limit()
+        limit = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
         for seq in self.running:
             needed_now, capacity = len(seq.token_ids), len(seq.block_table) * seq.block_size
-            wanted = min(needed_now + 1, limit)  # as `_capacity_needs`, inlined: every step runs it
+            wanted = min(needed_now + 1, limit)
             if capacity < wanted:
                 grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=capacity < needed_now))
         return grows
@@ -169,15 +173,6 @@ class Scheduler:
         ops = DirectoryOps()
         ops.admits = self._plan_admits(ops)
         return ops if ops.admits else None
-
-    def _capacity_needs(self, seq: Sequence) -> tuple[int, int]:
-        """(tokens the table must hold this step, tokens wanted one step ahead)."""
-        # This step writes at most up to the newest token (a fully cached prompt writes
-        # nothing); one slot more lets the next decode run without waiting on blockd.
-        return seq.num_tokens, min(seq.num_tokens + 1, self._token_limit())
-
-    def _token_limit(self) -> int:
-        return min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
 
     def _plan_admits(self, ops: DirectoryOps) -> list[AdmitOp]:
         """Admit waiting sequences in order, while seats and (roughly) blocks last. One whose
