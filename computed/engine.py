@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
+from computed.compute_thread import ComputeThread
 from computed.directory import Directory
 from computed.directory_ops import CopyPlan, DirectoryOps, DirectoryResult
 from computed.errors import DirectoryUnavailable
@@ -124,9 +124,12 @@ class Engine:
         directory: Directory,
         observer: EngineObserver | None = None,
         admission_window: float = 0.0,
+        compute: ComputeThread | None = None,
     ) -> None:
         """`admission_window`: seconds the first step after idling may wait for requests
-        arriving together (see `_gather_arrivals`); 0 steps at the first arrival."""
+        arriving together (see `_gather_arrivals`); 0 steps at the first arrival.
+        `compute`: the thread that loaded the model (computed/compute_thread.py says why
+        it must be that one); None: a new one."""
         assert admission_window >= 0.0, f"admission window {admission_window} < 0"
         self.scheduler = scheduler
         self._admission_window = admission_window
@@ -145,7 +148,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._draining = False  # set by stop(): new requests are refused from then on
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._compute = compute or ComputeThread()
         self._tasks: list[asyncio.Task] = []
         self._shared = getattr(runner, "shared", None)
         if self._shared is not None:
@@ -179,7 +182,7 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        self._compute.shutdown()
         if self._shared is not None:
             await self._shared.close()
         await self._directory.close()
@@ -358,9 +361,8 @@ class Engine:
         plan = self.scheduler.take_copies()
         if not plan:
             return
-        loop = asyncio.get_running_loop()
         if plan.demotions or plan.loads or plan.stores:
-            values = await loop.run_in_executor(self._executor, self.runner.copy_blocks, plan)
+            values = await self._compute.run(self.runner.copy_blocks, plan)
             num_blocks = len(plan.demotions) + len(plan.loads)
             self.stats.num_blocks_copied += num_blocks
             self.stats.num_bytes_copied += (
@@ -394,7 +396,7 @@ class Engine:
         if fetched:
             ids = [block_id for block_id, _ in fetched]
             data = [kv for _, kv in fetched]
-            await asyncio.get_running_loop().run_in_executor(self._executor, shared.apply_fetched, ids, data)
+            await self._compute.run(shared.apply_fetched, ids, data)
         for fetch in plan.fetches:
             index = first_failed.get(fetch.seq.sequence_id)
             if index is not None and fetch.block_index == index:
@@ -434,7 +436,7 @@ class Engine:
         batch = self.runner.prepare(chunks)
         started = time.monotonic()
         try:
-            sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
+            sampled = await self._compute.run(self.runner.run, batch)
         except Exception:  # fail these requests, keep serving the others
             log.exception("forward_failed", sequences=[c.seq.sequence_id for c in chunks])
             for chunk in chunks:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from computed import kernels
+from computed.compute_thread import ComputeThread
 from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec
 from computed.engine import Engine
@@ -25,7 +26,7 @@ from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
 from computed.logs import configure_logging
 from computed.metrics import Histograms, serve_metrics
-from computed.model.loader import load_model
+from computed.model.loader import LoadedModel, load_model
 from computed.model.tokenizer import Tokenizer
 from computed.model_runner import ModelRunner
 from computed.scheduler import Scheduler, SchedulerConfig
@@ -98,35 +99,33 @@ class ComputedServer:
             await self.health.set(name, status)
 
 
+@dataclass(frozen=True)
+class _Compute:
+    """What the compute thread built: the model and everything holding tensors."""
+
+    loaded: LoadedModel
+    host: HostKV | None
+    shared: SharedKV | None
+    runner: ModelRunner
+    num_blocks: int
+    load_seconds: float  # the host tier's, per block
+    prefill_seconds: float  # per token
+
+
 def build_server(config: ComputedConfig) -> ComputedServer:
     device = _pick_device(config.device)
     dtype = _pick_dtype(config.dtype, device)
     if device.type == "cpu":
         log.info("host_allocator", keeps_large_buffers=keep_large_buffers())
         _load_cpu_kernels()
-    loaded = load_model(config.model, device, dtype)
+    # Every tensor is made on the thread that will run the forward (compute_thread.py says why).
+    compute_thread = ComputeThread()
+    built = compute_thread.call(_build_compute, config, device, dtype)
+    loaded, host, shared, runner = built.loaded, built.host, built.shared, built.runner
+    num_blocks, load_seconds, prefill_seconds = built.num_blocks, built.load_seconds, built.prefill_seconds
     tokenizer = Tokenizer(config.model)
     mc = loaded.config
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
-    pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
-    host = _host_tier(config, pool)
-    shared = None
-    if config.shared_tier is not None:
-        shared = SharedKV(pool, SharedStore(config.shared_tier, config.shared_tier_timeout_seconds))
-    runner = ModelRunner(loaded.model, pool, config.block_size, device, host, shared)
-    load_seconds = prefill_seconds = 0.0
-    if host is not None or shared is not None:  # measured before registering: no block is held yet
-        prefill_seconds = runner.measure_prefill_seconds_per_token()
-    if host is not None:
-        load_seconds = host.measure_load_seconds_per_block()
-        log.info(
-            "host_tier",
-            num_host_blocks=host.num_blocks,
-            bytes=host.num_bytes,
-            load_seconds_per_block=load_seconds,
-            recompute_seconds_per_block=prefill_seconds * config.block_size,
-        )
     log.info(
         "model_loaded",
         model=loaded.model_id,
@@ -182,6 +181,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
         directory,
         Histograms(registry) if config.metrics_port is not None else None,
         admission_window=config.admission_window_seconds,
+        compute=compute_thread,
     )
     if config.metrics_port is not None:
         log.info("metrics_serving", port=serve_metrics(engine, config.metrics_port, registry))
@@ -221,6 +221,33 @@ async def serve(config: ComputedConfig) -> int:
     start.cancel()
     await built.stop()
     return 0
+
+
+def _build_compute(config: ComputedConfig, device: torch.device, dtype: torch.dtype) -> _Compute:
+    """Model, pools and runner, and the costs blockd weighs (measured before registering:
+    no block is held yet). Runs on the compute thread."""
+    loaded = load_model(config.model, device, dtype)
+    mc = loaded.config
+    num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
+    pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+    host = _host_tier(config, pool)
+    shared = None
+    if config.shared_tier is not None:
+        shared = SharedKV(pool, SharedStore(config.shared_tier, config.shared_tier_timeout_seconds))
+    runner = ModelRunner(loaded.model, pool, config.block_size, device, host, shared)
+    load_seconds = prefill_seconds = 0.0
+    if host is not None or shared is not None:
+        prefill_seconds = runner.measure_prefill_seconds_per_token()
+    if host is not None:
+        load_seconds = host.measure_load_seconds_per_block()
+        log.info(
+            "host_tier",
+            num_host_blocks=host.num_blocks,
+            bytes=host.num_bytes,
+            load_seconds_per_block=load_seconds,
+            recompute_seconds_per_block=prefill_seconds * config.block_size,
+        )
+    return _Compute(loaded, host, shared, runner, num_blocks, load_seconds, prefill_seconds)
 
 
 def _load_cpu_kernels() -> None:
