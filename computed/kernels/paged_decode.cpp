@@ -146,6 +146,102 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   }
 }
 
+#if defined(KVCACHE_V16)
+// Sum of each of 8 16-lane vectors, as one 8-lane vector: lane t = sum of p[t]'s lanes.
+inline v8 transpose_sum16(const v16* p) {
+  // Each level halves the lanes per vector and doubles the vectors per register.
+  v16 r[4];
+  for (int k = 0; k < 4; ++k)
+    r[k] = __builtin_shufflevector(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  v16 s[2];
+  for (int k = 0; k < 2; ++k)
+    s[k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(r[2 * k], r[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const v16 t = __builtin_shufflevector(s[0], s[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                __builtin_shufflevector(s[0], s[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(t, t, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(t, t, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+// attend_item with 16-lane vectors (AVX-512), for head sizes 32, 64 and 128: the value
+// pass keeps a chunk of heads' sums in registers (16 vectors) instead of loading and
+// storing them for every key. On a 2-core Zen 4, one layer from cold caches, lengths
+// drawn up to 97 and 1,100 keys: 64 rows 0.24 -> 0.16 ms, 8 rows 0.38 -> 0.33 ms.
+template <int DIM>
+void attend_item16(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t len,
+                   int64_t heads, int64_t kv_heads, float scale, float* out, float* lse,
+                   std::vector<float>& scores, std::vector<float>& query) {
+  static_assert(DIM % 16 == 0, "16-lane path");
+  constexpr int kVecs = DIM / 16;                 // vectors per head row
+  constexpr int kChunk = kVecs >= 16 ? 1 : 16 / kVecs;  // heads whose sums fit 16 registers
+  const int64_t group = heads / kv_heads, row = kv_heads * DIM;
+  const int64_t hp = (heads + 7) / 8 * 8;
+  scores.resize(len * hp);
+  query.assign(hp * DIM, 0.f);
+  const float qscale = scale * kLog2e;
+  for (int64_t a = 0; a < heads * DIM; ++a) query[a] = q[a] * qscale;
+  float* __restrict sc = scores.data();
+  const float* __restrict qs = query.data();
+  for (int64_t j = 0; j < len; ++j) {
+    const float* __restrict k = kp + slots[j] * row;
+    if (j + kAhead < len) prefetch_row(kp + slots[j + kAhead] * row, row);
+    for (int64_t h0 = 0; h0 < hp; h0 += 8) {
+      v16 p[8];
+      for (int t = 0; t < 8; ++t) {
+        const int64_t head = std::min(h0 + t, heads - 1);
+        const float* __restrict kh = k + (head / group) * DIM;
+        const float* __restrict qh = qs + (h0 + t) * DIM;
+        v16 s = load16(qh) * load16(kh);
+        for (int c = 1; c < kVecs; ++c) s += load16(qh + 16 * c) * load16(kh + 16 * c);
+        p[t] = s;
+      }
+      store(sc + j * hp + h0, transpose_sum16(p));
+    }
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float maxes[512 + 8], sums[512 + 8];
+  for (int64_t h0 = 0; h0 < hp; h0 += 8) {
+    v8 mv = splat(neg_inf);
+    for (int64_t j = 0; j < len; ++j) {
+      const v8 x = load(sc + j * hp + h0);
+      mv = x > mv ? x : mv;
+    }
+    v8 sv = {};
+    for (int64_t j = 0; j < len; ++j) {
+      const v8 e = exp2_neg(load(sc + j * hp + h0) - mv);
+      store(sc + j * hp + h0, e);
+      sv += e;
+    }
+    store(maxes + h0, mv);
+    store(sums + h0, sv);
+  }
+  for (int64_t h0 = 0; h0 < heads; h0 += kChunk) {
+    const int64_t nh = std::min<int64_t>(kChunk, heads - h0);
+    const int64_t lo = (h0 / group) * DIM, hi = ((h0 + nh - 1) / group + 1) * DIM;  // floats of a row read
+    v16 acc[kChunk][kVecs];
+    for (int t = 0; t < kChunk; ++t)
+      for (int c = 0; c < kVecs; ++c) acc[t][c] = v16{};
+    for (int64_t j = 0; j < std::min(kAhead, len); ++j) prefetch_row(vp + slots[j] * row + lo, hi - lo);
+    for (int64_t j = 0; j < len; ++j) {
+      const float* __restrict v = vp + slots[j] * row;
+      if (j + kAhead < len) prefetch_row(vp + slots[j + kAhead] * row + lo, hi - lo);
+      const float* __restrict w = sc + j * hp + h0;
+      for (int t = 0; t < kChunk; ++t) {
+        if (t >= nh) break;
+        const float* __restrict vh = v + ((h0 + t) / group) * DIM;
+        const v16 wv = splat16(w[t]);
+        for (int c = 0; c < kVecs; ++c) acc[t][c] += wv * load16(vh + 16 * c);
+      }
+    }
+    for (int t = 0; t < nh; ++t) {
+      const float inv = 1.f / sums[h0 + t];
+      for (int c = 0; c < kVecs; ++c) store16(out + (h0 + t) * DIM + 16 * c, acc[t][c] * inv);
+      lse[h0 + t] = (maxes[h0 + t] + std::log2(sums[h0 + t])) * kLn2;
+    }
+  }
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> paged_decode(
     const at::Tensor& q,
     const at::Tensor& keys,
@@ -181,6 +277,17 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
       float* oi = op + i * heads * dim;
       float* li = lp + i * heads;
       const int64_t* si = slots + i * width;
+#if defined(KVCACHE_V16)
+      if (heads <= 512 && (dim == 32 || dim == 64 || dim == 128)) {
+        if (dim == 32)
+          attend_item16<32>(qi, kp, vp, si, lens[i], heads, kv_heads, fscale, oi, li, scores, query);
+        else if (dim == 64)
+          attend_item16<64>(qi, kp, vp, si, lens[i], heads, kv_heads, fscale, oi, li, scores, query);
+        else
+          attend_item16<128>(qi, kp, vp, si, lens[i], heads, kv_heads, fscale, oi, li, scores, query);
+        continue;
+      }
+#endif
       switch (dim) {
         case 32:
           attend_item<32>(qi, kp, vp, si, lens[i], heads, kv_heads, dim, fscale, oi, li, scores, query, acc);

@@ -20,18 +20,29 @@ inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
+// 16-lane vectors where the machine has AVX-512 (one register each): kernels with a
+// 16-lane path guard it with KVCACHE_V16.
+#if defined(__AVX512F__)
+#define KVCACHE_V16 1
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // e^(f ln 2) for f in [-0.5, 0.5]: the degree-6 series (relative error about 1e-7).
-inline v8 exp2_poly(v8 f) {
-  v8 p = splat(1.5403530393381606e-4f);
-  p = p * f + splat(1.3333558146428443e-3f);
-  p = p * f + splat(9.6181291076284772e-3f);
-  p = p * f + splat(5.5504108664821580e-2f);
-  p = p * f + splat(2.4022650695910071e-1f);
-  p = p * f + splat(6.9314718055994531e-1f);
-  return p * f + splat(1.f);
+template <class V>
+inline V exp2_poly(V f) {
+  V p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  return p * f + 1.f;
 }
 
 // 2^t per lane for t in [-126, 126] (callers clamp): exp2_poly of t's fraction, scaled by
@@ -53,16 +64,18 @@ inline v8 exp2_core(v8 t) {
 // work at head size 32): x is raised to -127 (NaN too), 1.5 * 2^23 + 127 added rounds it
 // to n + 127 in the low bits of the sum, which shifted up by 23 are the bits of 2^n (0,
 // the float 0, for n = -127).
-inline v8 exp2_neg(v8 x) {
-  const v8 lowest = splat(-127.f);
+template <class V>
+inline V exp2_neg(V x) {
+  typedef unsigned U __attribute__((vector_size(sizeof(V))));
+  const V lowest = V{} - 127.f;
   x = x > lowest ? x : lowest;
-  const v8 biased = splat(12583039.f);  // 1.5 * 2^23 + 127
-  const v8 sum = x + biased;
-  const v8 p = exp2_poly(x - (sum - biased));  // of x - n, in [-0.5, 0.5]
-  v8u32 bits;
+  const V biased = V{} + 12583039.f;  // 1.5 * 2^23 + 127
+  const V sum = x + biased;
+  const V p = exp2_poly(x - (sum - biased));  // of x - n, in [-0.5, 0.5]
+  U bits;
   std::memcpy(&bits, &sum, sizeof(bits));
   bits <<= 23;
-  v8 scale;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
