@@ -94,11 +94,15 @@ def machine_info() -> dict:
     import torch
 
     cpu = platform.processor() or "unknown"
-    try:
+    try:  # a VM may say only "AMD EPYC": family, model and vector width tell its generation
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model", "flags"):
+                fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            width = "AVX-512" if "avx512f" in fields.get("flags", "").split() else "no AVX-512"
+            cpu = f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {width})"
     except OSError:
         pass
     info = {
