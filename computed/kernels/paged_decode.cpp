@@ -63,6 +63,27 @@ inline v8 transpose_sum(const v8* p) {
          __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// Softmax weights in place over scores (len, hp), key-major, 8 heads per vector, keys in
+// order: each column's max and sum of 2^(score - max) go to maxes and sums (hp each).
+inline void softmax_columns(float* sc, int64_t len, int64_t hp, float* maxes, float* sums) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t h0 = 0; h0 < hp; h0 += 8) {
+    v8 mv = splat(neg_inf);
+    for (int64_t j = 0; j < len; ++j) {
+      const v8 x = load(sc + j * hp + h0);
+      mv = x > mv ? x : mv;
+    }
+    v8 sv = {};
+    for (int64_t j = 0; j < len; ++j) {
+      const v8 e = exp2_neg(load(sc + j * hp + h0) - mv);
+      store(sc + j * hp + h0, e);
+      sv += e;
+    }
+    store(maxes + h0, mv);
+    store(sums + h0, sv);
+  }
+}
+
 // One item: its query heads (H, D) against len keys, all K/V heads at once, so each
 // slot's K row (Hkv * D floats, contiguous) and V row are read once and in order.
 // Scores are kept key-major, (len, H rounded up to 8), in base 2 (the query is scaled by
@@ -105,24 +126,8 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
       store(sc + j * hp + h0, transpose_sum(p));
     }
   }
-  // Softmax weights, 8 heads per vector, over the keys in order.
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<float> maxes(hp), sums(hp);
-  for (int64_t h0 = 0; h0 < hp; h0 += 8) {
-    v8 mv = splat(neg_inf);
-    for (int64_t j = 0; j < len; ++j) {
-      const v8 x = load(sc + j * hp + h0);
-      mv = x > mv ? x : mv;
-    }
-    v8 sv = {};
-    for (int64_t j = 0; j < len; ++j) {
-      const v8 e = exp2_neg(load(sc + j * hp + h0) - mv);
-      store(sc + j * hp + h0, e);
-      sv += e;
-    }
-    store(maxes.data() + h0, mv);
-    store(sums.data() + h0, sv);
-  }
+  softmax_columns(sc, len, hp, maxes.data(), sums.data());
   // Pass 2: weighted values, values read once.
   float* __restrict ac = acc.data();
   for (int64_t j = 0; j < std::min(kAhead, len); ++j) prefetch_row(vp + slots[j] * row, row);
@@ -198,23 +203,8 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
       store(sc + j * hp + h0, transpose_sum16(p));
     }
   }
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   float maxes[512 + 8], sums[512 + 8];
-  for (int64_t h0 = 0; h0 < hp; h0 += 8) {
-    v8 mv = splat(neg_inf);
-    for (int64_t j = 0; j < len; ++j) {
-      const v8 x = load(sc + j * hp + h0);
-      mv = x > mv ? x : mv;
-    }
-    v8 sv = {};
-    for (int64_t j = 0; j < len; ++j) {
-      const v8 e = exp2_neg(load(sc + j * hp + h0) - mv);
-      store(sc + j * hp + h0, e);
-      sv += e;
-    }
-    store(maxes + h0, mv);
-    store(sums + h0, sv);
-  }
+  softmax_columns(sc, len, hp, maxes, sums);
   for (int64_t h0 = 0; h0 < heads; h0 += kChunk) {
     const int64_t nh = std::min<int64_t>(kChunk, heads - h0);
     const int64_t lo = (h0 / group) * DIM, hi = ((h0 + nh - 1) / group + 1) * DIM;  // floats of a row read

@@ -31,7 +31,7 @@ def paged_decode():
 @needs_compiler
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32), (4, 2, 20), (12, 4, 40)],
+    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (14, 2, 64), (6, 3, 24), (8, 1, 32), (4, 2, 20), (12, 4, 40)],
 )
 def test_matches_dense_attention(paged_decode, heads: int, kv_heads: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
@@ -91,7 +91,7 @@ def _dense(q, k, v, causal: bool, scale: float):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (6, 3, 24), (8, 1, 32), (6, 2, 40), (16, 1, 80)],
+    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (12, 3, 64), (6, 3, 24), (8, 1, 32), (6, 2, 40), (16, 1, 80)],
 )
 def test_flash_matches_dense_attention(
     paged_flash, causal: bool, heads: int, kv_heads: int, dim: int
