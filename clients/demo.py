@@ -209,6 +209,20 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _stop(stack: Stack, console: Console) -> bool:
+    """Stop what this run started, to the end even when Ctrl-C comes meanwhile (a stop cut
+    short leaves daemons running); True when one came. (A short run can be stopping already
+    when the user presses it.)"""
+    interrupted = False
+    while True:
+        try:
+            with console.status("stopping the stack..."):
+                stack.down()
+            return interrupted
+        except KeyboardInterrupt:
+            interrupted = True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
@@ -272,9 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print("interrupted")
         return 130
     finally:
-        if started and not args.keep:
-            with console.status("stopping the stack..."):
-                stack.down()
+        if started and not args.keep and _stop(stack, console):
+            console.print("interrupted")
+            raise SystemExit(130)
 
 
 if __name__ == "__main__":
