@@ -63,6 +63,19 @@ inline v8 transpose_sum(const v8* p) {
          __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// An item's scratch: scores sized (len, hp), hp the heads rounded up to whole 8-lane
+// vectors (key-major: a vector holds 8 heads' scores of one key), and the query scaled
+// by scale * log2 e (so scores come out in base 2), zero past the heads. Returns hp.
+inline int64_t prepare_item(const float* q, int64_t len, int64_t heads, int64_t dim, float scale,
+                            std::vector<float>& scores, std::vector<float>& query) {
+  const int64_t hp = (heads + 7) / 8 * 8;
+  scores.resize(len * hp);
+  query.assign(hp * dim, 0.f);
+  const float qscale = scale * kLog2e;
+  for (int64_t a = 0; a < heads * dim; ++a) query[a] = q[a] * qscale;
+  return hp;
+}
+
 // Softmax weights in place over scores (len, hp), key-major, 8 heads per vector, keys in
 // order: each column's max and sum of 2^(score - max) go to maxes and sums (hp each).
 inline void softmax_columns(float* sc, int64_t len, int64_t hp, float* maxes, float* sums) {
@@ -97,12 +110,8 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
                  std::vector<float>& scores, std::vector<float>& query, std::vector<float>& acc) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   const int64_t group = heads / kv_heads, row = kv_heads * dim;
-  const int64_t hp = (heads + 7) / 8 * 8;  // score columns: heads rounded up to whole vectors
-  scores.resize(len * hp);  // (len, hp): key-major, a vector holds 8 heads' scores of one key
-  query.assign(hp * dim, 0.f);
+  const int64_t hp = prepare_item(q, len, heads, dim, scale, scores, query);
   acc.assign(heads * dim, 0.f);
-  const float qscale = scale * kLog2e;
-  for (int64_t a = 0; a < heads * dim; ++a) query[a] = q[a] * qscale;
   float* __restrict sc = scores.data();
   const float* __restrict qs = query.data();
   // Pass 1: scores, keys read once; 8 heads' dot products summed across lanes together.
@@ -180,11 +189,7 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
   constexpr int kVecs = DIM / 16;                 // vectors per head row
   constexpr int kChunk = kVecs >= 16 ? 1 : 16 / kVecs;  // heads whose sums fit 16 registers
   const int64_t group = heads / kv_heads, row = kv_heads * DIM;
-  const int64_t hp = (heads + 7) / 8 * 8;
-  scores.resize(len * hp);
-  query.assign(hp * DIM, 0.f);
-  const float qscale = scale * kLog2e;
-  for (int64_t a = 0; a < heads * DIM; ++a) query[a] = q[a] * qscale;
+  const int64_t hp = prepare_item(q, len, heads, DIM, scale, scores, query);
   float* __restrict sc = scores.data();
   const float* __restrict qs = query.data();
   for (int64_t j = 0; j < len; ++j) {
