@@ -44,9 +44,22 @@ using namespace kvcache_vec;
 // 8, 16 and 32 keys ahead measured alike, 64 worse).
 constexpr int64_t kAhead = 16;
 
+// Keys ahead that a pass asks for into L2 only (prefetcht2), on top of the kAhead hints:
+// the L1 hints alone keep too few misses in flight to stream the pool from DRAM. On a
+// 2-core Zen 4 (`python -m bench.attention_kernels`-shaped A/B, blocks scattered over a
+// cold pool): 64 x 1,100 keys 4.1 -> 2.3 ms, 8 x 1,100 0.53-0.60 -> 0.28-0.40 ms,
+// 64 x 97 0.33-0.38 -> 0.24-0.28 ms; 32, 48 and 96 keys ahead measured alike. The key
+// pass's last kFar keys ask for the value pass's first rows.
+constexpr int64_t kFar = 48;
+
 // Prefetch one pool row (row floats, one K/V head after another) into cache.
 inline void prefetch_row(const float* p, int64_t row) {
   for (int64_t b = 0; b < row; b += 16) __builtin_prefetch(p + b, 0, 0);
+}
+
+// Prefetch one pool row into L2 (and L3), not L1.
+inline void prefetch_row_far(const float* p, int64_t row) {
+  for (int64_t b = 0; b < row; b += 16) __builtin_prefetch(p + b, 0, 1);
 }
 
 // Sum of each of 8 vectors, as one vector: lane t = sum of p[t]'s lanes.
@@ -118,6 +131,11 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict k = kp + slots[j] * row;
     if (j + kAhead < len) prefetch_row(kp + slots[j + kAhead] * row, row);
+    // Written out here: the same test in a helper function lost the gain (measured).
+    if (j + kFar < len)
+      prefetch_row_far(kp + slots[j + kFar] * row, row);
+    else if (j + kFar - len < len)
+      prefetch_row_far(vp + slots[j + kFar - len] * row, row);
     for (int64_t h0 = 0; h0 < hp; h0 += 8) {
       v8 p[8];
       for (int t = 0; t < 8; ++t) {
@@ -143,6 +161,7 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict v = vp + slots[j] * row;
     if (j + kAhead < len) prefetch_row(vp + slots[j + kAhead] * row, row);
+    if (j + kFar < len) prefetch_row_far(vp + slots[j + kFar] * row, row);
     const float* __restrict w = sc + j * hp;
     for (int64_t head = 0; head < heads; ++head) {
       const float* __restrict vh = v + (head / group) * dim;
@@ -195,6 +214,11 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict k = kp + slots[j] * row;
     if (j + kAhead < len) prefetch_row(kp + slots[j + kAhead] * row, row);
+    // Written out here: the same test in a helper function lost the gain (measured).
+    if (j + kFar < len)
+      prefetch_row_far(kp + slots[j + kFar] * row, row);
+    else if (j + kFar - len < len)
+      prefetch_row_far(vp + slots[j + kFar - len] * row, row);
     for (int64_t h0 = 0; h0 < hp; h0 += 8) {
       v16 p[8];
       for (int t = 0; t < 8; ++t) {
@@ -220,6 +244,7 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
     for (int64_t j = 0; j < len; ++j) {
       const float* __restrict v = vp + slots[j] * row;
       if (j + kAhead < len) prefetch_row(vp + slots[j + kAhead] * row + lo, hi - lo);
+      if (j + kFar < len) prefetch_row_far(vp + slots[j + kFar] * row + lo, hi - lo);
       const float* __restrict w = sc + j * hp + h0;
       for (int t = 0; t < kChunk; ++t) {
         if (t >= nh) break;
