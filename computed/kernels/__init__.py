@@ -1,8 +1,8 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
 Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
-(paged_decode.cpp), `paged_flash()` (paged_flash.cpp), `pack_linear_weight()` and
-`packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
+(paged_decode.cpp), `paged_flash()` (paged_flash.cpp), `pack_linear_weight()`,
+`pack_linear_weight_bf16()` and `packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
 `add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
 (silu_mul.cpp), `argmax_rows()` (argmax.cpp) and `write_kv()` (kv_write.cpp); or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
@@ -65,6 +65,13 @@ def pack_linear_weight() -> Callable | None:
     """The weight packing op for `packed_linear` (`pack_linear_weight(weight) -> packed`),
     or None as `paged_decode()`."""
     return torch.ops.kvcache.pack_linear_weight if _loaded()[0] else None
+
+
+def pack_linear_weight_bf16() -> Callable | None:
+    """The half-size packing for a weight whose every value is a bfloat16
+    (`pack_linear_weight_bf16(weight) -> packed`, refused otherwise; `packed_linear` gives
+    bit for bit what it gives from `pack_linear_weight`), or None as `paged_decode()`."""
+    return torch.ops.kvcache.pack_linear_weight_bf16 if _loaded()[0] else None
 
 
 def packed_linear() -> Callable | None:

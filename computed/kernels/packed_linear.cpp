@@ -14,12 +14,21 @@
 // (batch invariance; tests/computed/test_kernels.py checks it). It agrees with F.linear to
 // float32 rounding, not bit for bit (MKL sums in its own blocked order).
 //
+// A weight whose every value is a bfloat16 (a bf16 checkpoint loaded as float32) can be
+// packed at half the bytes and widened back exactly in the inner loop (a bfloat16 is the
+// top half of its float32): the same products bit for bit, while a decode step, which
+// reads every weight back from memory (its K/V reads evict them from cache), reads half.
+//
 // kvcache::pack_linear_weight(weight) -> packed
 //   weight (N, K)           float32, contiguous (an nn.Linear's weight)
 //   packed (ceil(N/16), K, 16) float32: packed[p, k, j] = weight[16p + j, k], 0 past N
+// kvcache::pack_linear_weight_bf16(weight) -> packed
+//   weight (N, K)           float32, contiguous, every value a bfloat16 (checked)
+//   packed (ceil(N/16), K, 8) int32: the top 16 bits of weight[16p + j, k] in the low
+//                           half of packed[p, k, j], of weight[16p + 8 + j, k] in the high
 // kvcache::packed_linear(x, packed, bias, n) -> y
 //   x      (M, K)   float32, contiguous
-//   packed          as above, K matching x
+//   packed          either of the above, K matching x
 //   bias   (n,)     float32 or None
 //   n               the weight's N (16 * panels - 15 <= n <= 16 * panels)
 //   y      (M, n)   float32
@@ -33,7 +42,10 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -52,13 +64,30 @@ constexpr int kRows = 6;
 #endif
 constexpr int64_t kChunkRows = 96;  // rows per task when there are many: x's chunk stays in L2
 
-// y[r, 0..cols) (+ bias) for R rows of x against one panel.
-template <int R>
-inline void block(const float* x, int64_t k, const float* panel, const float* bias, float* y, int64_t n, int64_t cols) {
+typedef unsigned v8u32u __attribute__((vector_size(32), aligned(4)));
+
+// A packed panel's row i as its two vectors of 8 float32 weights.
+inline void weights(const float* panel, int64_t i, v8& w0, v8& w1) {
+  w0 = load(panel + i * kPanel);
+  w1 = load(panel + i * kPanel + 8);
+}
+
+// The same from a bfloat16 panel: low halves widened (shifted up), high halves masked.
+inline void weights(const uint32_t* panel, int64_t i, v8& w0, v8& w1) {
+  const v8u32 word = *reinterpret_cast<const v8u32u*>(panel + i * (kPanel / 2));
+  const v8u32 low = word << 16, high = word & 0xFFFF0000u;
+  std::memcpy(&w0, &low, sizeof(w0));
+  std::memcpy(&w1, &high, sizeof(w1));
+}
+
+// y[r, 0..cols) (+ bias) for R rows of x against one panel (W: float, or uint32_t for bf16).
+template <int R, class W>
+inline void block(const float* x, int64_t k, const W* panel, const float* bias, float* y, int64_t n, int64_t cols) {
   v8 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = splat(0.f);
   for (int64_t i = 0; i < k; ++i) {
-    const v8 w0 = load(panel + i * kPanel), w1 = load(panel + i * kPanel + 8);
+    v8 w0, w1;
+    weights(panel, i, w0, w1);
     for (int r = 0; r < R; ++r) {
       const v8 a = splat(x[r * k + i]);
       lo[r] += a * w0;
@@ -89,10 +118,12 @@ inline void block(const float* x, int64_t k, const float* panel, const float* bi
 
 // Rows [row_lo, row_hi) by panels [p_lo, p_hi): each panel (K x 16, in L1 for K <= 256)
 // meets every row block of the range before the next panel is read.
-void rows_by_panels(const float* x, const float* packed, const float* bias, float* y, int64_t k, int64_t n,
+template <class W>
+void rows_by_panels(const float* x, const W* packed, const float* bias, float* y, int64_t k, int64_t n,
                     int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
+  constexpr int64_t kWords = std::is_same_v<W, float> ? kPanel : kPanel / 2;  // per row of a panel
   for (int64_t p = p_lo; p < p_hi; ++p) {
-    const float* panel = packed + p * k * kPanel;
+    const W* panel = packed + p * k * kWords;
     const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
     const float* b = bias != nullptr ? bias + col : nullptr;
     int64_t r = row_lo;
@@ -123,13 +154,34 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
+at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "pack_linear_weight_bf16 takes a contiguous float32 weight (N, K)");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(weight.data_ptr<float>());
+  for (int64_t a = 0; a < n * k; ++a)
+    TORCH_CHECK((w[a] & 0xFFFFu) == 0, "pack_linear_weight_bf16: weight value ", a, " is not a bfloat16");
+  at::Tensor packed = at::zeros({panels, k, kPanel / 2}, weight.options().dtype(at::kInt));
+  uint32_t* out = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t j = c % kPanel, lane = j % (kPanel / 2);
+    for (int64_t i = 0; i < k; ++i) {
+      uint32_t& word = out[(c / kPanel) * k * (kPanel / 2) + i * (kPanel / 2) + lane];
+      word |= j < kPanel / 2 ? w[c * k + i] >> 16 : w[c * k + i];
+    }
+  }
+  return packed;
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "packed_linear takes contiguous float32 x (M, K)");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous(),
-              "packed_linear takes a weight from pack_linear_weight");
+  const bool bf16 = packed.scalar_type() == at::kInt;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  ((packed.scalar_type() == at::kFloat && packed.size(2) == kPanel) ||
+                   (bf16 && packed.size(2) == kPanel / 2)),
+              "packed_linear takes a weight from pack_linear_weight or pack_linear_weight_bf16");
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == k, "x has ", k, " columns, the packed weight ", packed.size(1));
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n = ", n, " does not fit ", panels, " panels");
@@ -140,7 +192,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
+  const float* wp = bf16 ? nullptr : packed.data_ptr<float>();
+  const uint32_t* wb = bf16 ? reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -152,7 +205,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunk = t / groups, group = t % groups;
       const int64_t row_lo = chunk * kChunkRows, row_hi = std::min(m, row_lo + kChunkRows);
-      rows_by_panels(xp, wp, bp, yp, k, n, row_lo, row_hi, panels * group / groups, panels * (group + 1) / groups);
+      const int64_t p_lo = panels * group / groups, p_hi = panels * (group + 1) / groups;
+      if (bf16)
+        rows_by_panels(xp, wb, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
+      else
+        rows_by_panels(xp, wp, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
     }
   };
   if (threads == 1 || tasks == 1) {
@@ -167,10 +224,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
 
 TORCH_LIBRARY_FRAGMENT(kvcache, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
+  m.impl("pack_linear_weight_bf16", pack_linear_weight_bf16);
   m.impl("packed_linear", packed_linear);
 }

@@ -29,11 +29,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` (N, K) laid out for `kvcache::packed_linear` (panels of 16 output columns,
     K-major: a second copy of the weight), or None where the product cannot run natively
     (not CPU float32, or the native kernels did not load). Pack once the weight is final:
-    the packed copy does not follow later changes to it."""
+    the packed copy does not follow later changes to it.
+
+    A weight whose every value is a bfloat16 (a bf16 checkpoint, as the built-in model's,
+    loaded as float32) packs at half the bytes, widened back exactly as the kernel reads it:
+    the same products bit for bit. Why: a decode step reads its weights back from memory
+    (the step's K/V reads evict them), and that read is a third of a small batch's products
+    (`python -m bench.attention_kernels`, linear block)."""
     op = kernels.pack_linear_weight()
     if op is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    return op(weight.detach().contiguous())
+    weight = weight.detach().contiguous()
+    if torch.equal(weight.to(torch.bfloat16).float(), weight):
+        return kernels.pack_linear_weight_bf16()(weight)
+    return op(weight)
 
 
 def linear(
@@ -47,7 +56,7 @@ def linear(
 
     Why native: this model family's products are short (K of a few hundred) and narrow, where
     MKL reaches a third to two thirds of this machine's float32 peak; the packed kernel
-    holds a 6 x 16 block of outputs in registers for the whole of K (`python -m
+    holds a 6 x 16 (AVX-512: 8 x 16) block of outputs in registers for the whole of K (`python -m
     bench.attention_kernels`, linear block: a decode step's 64 rows through one layer's
     four products and the vocabulary projection 6.5 -> 4.4 ms from cold caches, 8 rows
     2.4 -> 1.6 ms). Each output is one multiply-add chain over K in order, so a row's

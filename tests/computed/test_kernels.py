@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from computed import kernels
+from computed.model.layers import pack_weight
 from computed.model.rope import RotaryEmbedding, apply_rotary
 
 # Where a C++ compiler is installed the kernel must build; elsewhere computed falls back.
@@ -197,6 +198,43 @@ def test_packed_linear_is_close_and_batch_invariant(packed_linear, rows, out_fea
             assert torch.equal(packed_linear(x[row : row + 1], weight, bias), out[row : row + 1])
         assert torch.equal(packed_linear(x[1:], weight, bias), out[1:])  # shifted off the row blocks
         assert torch.equal(packed_linear(x, weight, None) + bias, out)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 97])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(4096, 256), (1376, 256), (256, 688), (50, 13), (7, 5)]
+)
+def test_bf16_packing_gives_the_float32_packings_products_bit_for_bit(
+    rows, out_features, in_features
+) -> None:
+    """A weight of bfloat16 values packed at half the bytes: every product (any rows, a
+    ragged last panel, with and without bias) equals the float32 packing's exactly."""
+    pack, pack_bf16 = _built(kernels.pack_linear_weight()), _built(kernels.pack_linear_weight_bf16())
+    op = _built(kernels.packed_linear())
+    x, weight, bias = _linear_inputs(rows, out_features, in_features)
+    weight = weight.to(torch.bfloat16).float()
+    half, full = pack_bf16(weight), pack(weight)
+    assert half.dtype == torch.int32 and half.numel() * 2 == full.numel()
+    with torch.inference_mode(), _threads(2):
+        for b in (bias, None):
+            assert torch.equal(op(x, half, b, out_features), op(x, full, b, out_features))
+
+
+@needs_compiler
+def test_bf16_packing_refuses_a_weight_that_is_not_bfloat16() -> None:
+    weight = torch.ones(4, 8).to(torch.bfloat16).float()
+    weight[2, 5] = 1.0 + 2.0**-10  # needs more mantissa than a bfloat16 has
+    with pytest.raises(RuntimeError, match="weight value 21 is not a bfloat16"):
+        _built(kernels.pack_linear_weight_bf16())(weight)
+
+
+@needs_compiler
+def test_pack_weight_halves_a_bfloat16_weight_only() -> None:
+    """`pack_weight` picks the half-size packing exactly where it loses nothing."""
+    weight = torch.randn(40, 24)
+    assert pack_weight(weight).dtype == torch.float32
+    assert pack_weight(weight.to(torch.bfloat16).float()).dtype == torch.int32
 
 
 @needs_compiler
