@@ -8,7 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from computed.config import DEFAULT_MODEL_DIR, DEVICES, DTYPES, LOG_FORMATS, WORKER_TOKEN_ENV, ComputedConfig
+from computed.config import (
+    DEFAULT_MODEL_DIR,
+    DEVICES,
+    DTYPES,
+    FORWARD_ON,
+    LOG_FORMATS,
+    WORKER_TOKEN_ENV,
+    ComputedConfig,
+)
 
 
 def _env(name: str, default=None):
@@ -163,6 +171,14 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         "to blockd (blockd --worker-token) [env COMPUTED_WORKER_TOKEN]",
     )
     p.add_argument(
+        "--forward-on",
+        choices=FORWARD_ON,
+        default=_env("COMPUTED_FORWARD_ON", "loop"),
+        help="the thread that runs each step's forward: the event loop's (fastest: a step's end wakes "
+        "no thread; the loop serves nothing during a step) or a thread of its own (the loop keeps "
+        "serving) [env COMPUTED_FORWARD_ON]",
+    )
+    p.add_argument(
         "--drain-seconds",
         type=float,
         default=float(_env("COMPUTED_DRAIN_SECONDS", "30")),
@@ -207,6 +223,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             admission_window_seconds=a.admission_window_ms / 1e3,
+            forward_on=a.forward_on,
             max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
             worker_address=a.worker_address,
             ready_file=_optional_path(a.ready_file),

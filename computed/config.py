@@ -10,6 +10,9 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("auto", "console", "json")
+# Which thread runs the forward: the event loop's (it waits out each step) or a thread of
+# its own (the loop serves during a step); computed/compute_thread.py says why loop.
+FORWARD_ON = ("loop", "thread")
 # blockd's worker token (--worker-token); the directory client reads it from here too.
 WORKER_TOKEN_ENV = "COMPUTED_WORKER_TOKEN"
 
@@ -42,6 +45,7 @@ class ComputedConfig:
     # streams land over a few ms), the first step waits for the next ones: until none has
     # come for a quarter of this, at most this long. 0: step at the first arrival.
     admission_window_seconds: float = 0.02
+    forward_on: str = "loop"
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     # Address clients use to reach this worker (announced to blockd for routing);
@@ -77,6 +81,8 @@ class ComputedConfig:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.forward_on not in FORWARD_ON:
+            raise ValueError(f"--forward-on must be one of {', '.join(FORWARD_ON)}, got {self.forward_on!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if not 1 <= self.block_size <= 1024:

@@ -119,7 +119,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
         log.info("host_allocator", keeps_large_buffers=keep_large_buffers())
         _load_cpu_kernels()
     # Every tensor is made on the thread that will run the forward (compute_thread.py says why).
-    compute_thread = ComputeThread()
+    compute_thread = ComputeThread(own_thread=config.forward_on == "thread")
     built = compute_thread.call(_build_compute, config, device, dtype)
     loaded, host, shared, runner = built.loaded, built.host, built.shared, built.runner
     num_blocks, load_seconds, prefill_seconds = built.num_blocks, built.load_seconds, built.prefill_seconds

@@ -181,8 +181,9 @@ def test_the_store_down_or_restarted_empty_costs_misses_only(fleet: Fleet):
 
 def test_flush_empties_the_namespace_keys(fleet: Fleet):
     p = prompt(8, 6 * BLOCK)
+    before = fleet.shared_blocks()  # earlier tests' blocks: wait for this prompt's own writes
     _on(fleet.a, p)
-    fleet.wait_shared(6)
+    fleet.wait_shared(before + 6)
     assert fleet.keys()
     reply = fleet.a.admin.Flush(directory_pb2.FlushRequest(tier=SHARED), timeout=10)
     assert [row.tier for row in reply.tiers] == [SHARED] and reply.tiers[0].dropped > 0
