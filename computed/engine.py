@@ -354,7 +354,7 @@ class Engine:
             await self._copy_blocks()
 
     async def _copy_blocks(self) -> None:
-        """The copies blockd's answer owes, in the forward thread (they touch the pool),
+        """The copies blockd's answer owes, on the compute thread (they touch the pool),
         before the next forward and before the next Step can reuse blocks: device reads
         (host demotions, shared tier stores) before device writes (host loads, then
         shared tier fetches, awaited here: the forward reads them)."""

@@ -1,4 +1,4 @@
-"""One forward pass over the scheduled chunks, then sampling (runs in the forward thread).
+"""One forward pass over the scheduled chunks, then sampling (runs on the compute thread).
 
 `prepare()` snapshots everything the forward needs on the event-loop thread (the
 scheduler keeps mutating sequences there); `run()` builds tensors, runs the model

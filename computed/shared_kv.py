@@ -4,7 +4,7 @@ blockd decides what goes to the store and what comes from it; the worker copies 
 a Step answer says so:
 
 - *stores*: committed device blocks to write. Their K/V is read (`snapshot`, in the
-  forward thread) before the next forward: a committed block is written by nobody,
+  compute thread) before the next forward: a committed block is written by nobody,
   and blockd hands it out again only in an answer the worker applies after this one.
   The values go to the store in the background (`start_write`); the outcome of each is
   reported in a later Step (`take_reports`), and only then can anyone find the block
@@ -55,7 +55,7 @@ class SharedKV:
 
     @torch.inference_mode()
     def snapshot(self, blocks: Sequence[StoredBlock]) -> list[tuple[str, memoryview]]:
-        """(key, value) of each block, read from the device pool now (forward thread):
+        """(key, value) of each block, read from the device pool now (compute thread):
         each block's K/V is copied once, straight into its value's buffer."""
         namespace = self.namespace
         if not blocks or namespace is None:
@@ -113,7 +113,7 @@ class SharedKV:
 
     @torch.inference_mode()
     def apply_fetched(self, block_ids: Sequence[int], kvs: Sequence[memoryview]) -> None:
-        """Copy fetched K/V into the device blocks (forward thread), each once."""
+        """Copy fetched K/V into the device blocks (compute thread), each once."""
         pool = self.pool
         shape = (pool.num_layers, 2, pool.block_size, pool.num_kv_heads, pool.head_dim)
         with warnings.catch_warnings():  # read-only buffers: torch only reads them here
