@@ -27,6 +27,8 @@ from computed.scheduler import ScheduledChunk, Scheduler
 from computed.sequence import SamplingParams, Sequence
 
 log = structlog.get_logger("computed.engine")
+# Loop turns between two steps at most, waiting for readers to take their chunks.
+_MAX_TURNS_BETWEEN_STEPS = 8
 
 
 class EngineObserver(Protocol):
@@ -269,13 +271,26 @@ class Engine:
             self.stats.busy_seconds += elapsed
             if self.observer is not None:
                 self.observer.on_step(elapsed)
-            if not progressed:
+            if progressed:
+                await self._serve_between_steps()
+            else:
                 # Nothing could run (e.g. every admission deferred): let blocks free up.
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.01)
                 except TimeoutError:
                     pass
+
+    async def _serve_between_steps(self) -> None:
+        """An inline forward (computed/compute_thread.py) awaits nothing, so the loop's other
+        work (arrivals, health checks, stream writes) runs only here: a turn of the loop,
+        and more while a reader has yet to take what this step sent it (a stream's reader
+        needs a few turns a chunk; one turn a step left a 24-token stream's last 9 tokens
+        to arrive together, tests/computed/test_engine.py)."""
+        for _ in range(_MAX_TURNS_BETWEEN_STEPS):
+            await asyncio.sleep(0)
+            if all(req.queue.empty() for req in self._requests.values()):
+                return
 
     async def _gather_arrivals(self) -> None:
         """Requests arrived while none runs: if the last such burst had company (another

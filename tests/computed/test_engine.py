@@ -275,3 +275,29 @@ def test_no_gathering_without_a_waiting_request(tiny_models: TinyModels) -> None
     waited, burst = asyncio.run(run())
     assert waited < 0.03, waited
     assert burst == 3
+
+
+def test_the_loop_serves_between_steps(tiny_models: TinyModels) -> None:
+    """The forward runs on the loop's thread and awaits nothing, so the engine yields after
+    each step: a streamed token reaches its reader before the next step runs, not in a
+    burst when the engine next waits for blockd (or at the end)."""
+
+    async def run() -> list[int]:
+        engine, _ = build(tiny_models)
+        await engine.start()
+        try:
+            _, queue = engine.add_request(
+                PROMPT, SamplingParams(max_tokens=24, ignore_eos=True), SilentDecoder(), stream_interval=1
+            )
+            steps = []
+            while True:
+                chunk = await asyncio.wait_for(queue.get(), timeout=30)
+                steps.append(engine.stats.num_steps)
+                if chunk.finish_reason is not None:
+                    return steps
+        finally:
+            await engine.stop(0)
+
+    steps = asyncio.run(run())  # at each chunk's arrival; the last two (token, finish) share a step
+    assert len(steps) == 25
+    assert all(a < b for a, b in zip(steps[:-1], steps[1:-1])), f"tokens arrived in bursts: steps {steps}"
