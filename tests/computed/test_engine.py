@@ -9,6 +9,7 @@ to blockd when requests finish or are cancelled, and a failed Step is recovered.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -300,4 +301,4 @@ def test_the_loop_serves_between_steps(tiny_models: TinyModels) -> None:
 
     steps = asyncio.run(run())  # at each chunk's arrival; the last two (token, finish) share a step
     assert len(steps) == 25
-    assert all(a < b for a, b in zip(steps[:-1], steps[1:-1])), f"tokens arrived in bursts: steps {steps}"
+    assert all(a < b for a, b in itertools.pairwise(steps[:-1])), f"tokens arrived in bursts: steps {steps}"
