@@ -27,6 +27,8 @@ from computed.scheduler import ScheduledChunk, Scheduler
 from computed.sequence import SamplingParams, Sequence
 
 log = structlog.get_logger("computed.engine")
+# Loop turns a Step request gets to leave before an inline forward holds the loop.
+_RPC_SEND_TURNS = 3
 # Loop turns between two steps at most, waiting for readers to take their chunks.
 _MAX_TURNS_BETWEEN_STEPS = 8
 
@@ -357,6 +359,14 @@ class Engine:
         """Run `chunks` while `ops` (none of them urgent) travel to blockd; blockd's answer
         is applied, and its copies made, after the forward and before the next one."""
         rpc = None if ops.is_empty else asyncio.create_task(self._step(ops))
+        if rpc is not None and not self._compute.own_thread:
+            # An inline forward holds the loop: let the request reach gRPC's core first (a
+            # few turns: this task's start, the call's invoke task, the batch submit). A
+            # chat run's wait for answers after the forwards: 123 ms (no turn) -> 83 (1)
+            # -> 37 (3) -> 29 (6); shared, best of 3, three interleaved pairs: 1.03 / 1.03 /
+            # 1.03 s -> 0.96 / 0.92 / 1.05 s (chat within noise).
+            for _ in range(_RPC_SEND_TURNS):
+                await asyncio.sleep(0)
         if chunks:
             await self._forward(chunks)
         if rpc is None:
