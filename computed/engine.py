@@ -301,7 +301,8 @@ class Engine:
         in one step; a client that sends one request at a time never waits. Arrivals after
         it are admitted by the next step as usual. Why: a chat client's 8 concurrent turns
         land over ~9 ms; the first ran a prefill step alone (50-90 ms) before the other 7
-        joined (`make bench-peer`, chat)."""
+        joined (`make bench-peer`, chat). A burst as big as the last one is taken as in
+        without the quiet spell (a chat's turns after its first, ~5 ms each)."""
         self._new_arrivals = False
         now = time.monotonic()
         arrived = len(self.scheduler.waiting)  # nothing runs: these are the burst so far
@@ -310,14 +311,15 @@ class Engine:
             # chat turn's last step used to wait out a quiet spell here, 5-7 ms, before its
             # releases went and the next turn's requests had even been sent.)
             return
-        gather = self._burst_size > 1 or arrived > 1
+        last_burst = self._burst_size
+        gather = last_burst > 1 or arrived > 1
         self._burst_started, self._burst_size = now, max(1, arrived)
         if not gather or self._admission_window <= 0:
             return
         deadline = now + self._admission_window
         while not self._stopping.is_set():
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or (last_burst > 1 and len(self.scheduler.waiting) >= last_burst):
                 return
             self._wake.clear()
             try:

@@ -261,6 +261,40 @@ def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window:
     assert alone == [1, 1], alone  # a lone request: its prefill step, then its decode step
 
 
+def test_a_burst_as_big_as_the_last_starts_without_a_quiet_spell(tiny_models: TinyModels) -> None:
+    """Once a burst of 3 was seen, the next burst's third request starts the step at once:
+    it does not wait out a quarter of the window (75 ms here) for a fourth."""
+
+    async def run() -> float:
+        engine, _ = build(tiny_models, admission_window=0.3)
+        started: list[float] = []
+        forward = engine.runner.run
+
+        def timed(inp):
+            started.append(time.monotonic())
+            return forward(inp)
+
+        engine.runner.run = timed
+        await engine.start()
+        try:
+            for burst in range(2):
+                started.clear()
+                tasks = []
+                for i in range(3):
+                    prompt = [60 + 3 * burst + i, *PROMPT[1:]]
+                    tasks.append(asyncio.create_task(generate(engine, prompt, max_tokens=2)))
+                    sent = time.monotonic()
+                    await asyncio.sleep(0.02)
+                await asyncio.gather(*tasks)
+                await settle(engine)
+        finally:
+            await engine.stop(drain_seconds=1)
+        return started[0] - sent
+
+    waited = asyncio.run(run())
+    assert waited < 0.05, f"the full burst waited {waited * 1e3:.0f} ms for more"
+
+
 def test_no_gathering_without_a_waiting_request(tiny_models: TinyModels) -> None:
     """The arrival flag can outlive its requests (they were admitted while others ran):
     with nothing waiting, the engine does not sit out a quiet spell (a quarter of the
