@@ -326,13 +326,14 @@ def test_the_loop_serves_between_steps(tiny_models: TinyModels) -> None:
             )
             steps = []
             while True:
-                chunk = await asyncio.wait_for(queue.get(), timeout=30)
+                chunk = await queue.get()  # as a stream's handler reads (no wait_for task between)
                 steps.append(engine.stats.num_steps)
                 if chunk.finish_reason is not None:
                     return steps
         finally:
             await engine.stop(0)
 
-    steps = asyncio.run(run())  # at each chunk's arrival; the last two (token, finish) share a step
+    steps = asyncio.run(asyncio.wait_for(run(), timeout=60))  # at each chunk's arrival
+    # The last two chunks (the last token, the finish) come from one step.
     assert len(steps) == 25
     assert all(a < b for a, b in itertools.pairwise(steps[:-1])), f"tokens arrived in bursts: steps {steps}"
