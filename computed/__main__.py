@@ -173,10 +173,11 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
     p.add_argument(
         "--forward-on",
         choices=FORWARD_ON,
-        default=_env("COMPUTED_FORWARD_ON", "loop"),
-        help="the thread that runs each step's forward: the event loop's (fastest: a step's end wakes "
-        "no thread; the loop serves nothing during a step) or a thread of its own (the loop keeps "
-        "serving) [env COMPUTED_FORWARD_ON]",
+        default=_env("COMPUTED_FORWARD_ON", "thread"),
+        help="the thread that runs each step's forward: one of its own (the loop keeps serving "
+        "during a step) or the event loop's (a step's end wakes no thread: faster for steady "
+        "streams, but requests arriving during a step are admitted over the next few) "
+        "[env COMPUTED_FORWARD_ON]",
     )
     p.add_argument(
         "--drain-seconds",

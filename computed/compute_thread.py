@@ -10,15 +10,18 @@ loop's thread and run on a forward thread made the default model's 8-row decode 
 matrix product on the main thread). So all torch work runs on one thread.
 
 Which thread (`ComputeThread(own_thread=...)`):
-- the caller's (the default; computed's `--forward-on loop`): the event loop's own thread
-  runs every forward, and the loop waits for it. A step's end then wakes nobody. With a
-  worker thread, its end woke the event loop's thread from its poll (the loop's self-pipe
-  write, ~0.2 ms a step on a 2-vCPU VM: 5% of the forward thread's samples in py-spy),
-  and the forward's OpenMP team already keeps every core busy, so the loop's own work
-  never ran alongside it anyway. Chat of the peer bench (8 x 6 turns, `make bench-peer`),
-  interleaved runs: 1.63 / 1.69 s -> 1.57 / 1.49 s. The cost: the loop serves nothing
-  while a step runs (new requests, health checks and stream writes wait up to one step).
-- its own worker thread (`--forward-on thread`): the loop keeps serving during a step.
+- its own worker thread (the default; computed's `--forward-on thread`): the loop keeps
+  serving during a step.
+- the caller's (`--forward-on loop`): the event loop's own thread runs every forward, and
+  the loop waits for it. A step's end then wakes nobody: with a worker thread, its end
+  wakes the event loop's thread from its poll (the loop's self-pipe write, ~0.2 ms a step
+  on a 2-vCPU VM: 5% of the forward thread's samples in py-spy). Chat of the peer bench
+  (8 x 6 turns, `make bench-peer`), interleaved runs: 1.63 / 1.69 s -> 1.57 / 1.49 s. The
+  cost, and why it is not the default: the loop serves nothing while a step runs, so
+  requests that arrive during one are admitted only between steps, and a burst trickles
+  in: the peer bench's 64 requests sent at once joined over 10+ steps of 3-9 each, where
+  the worker thread admits all 63 waiting ones in the step after the first (shared
+  workload 1.12 -> 1.18 s).
 
 Invariant: every call runs on the same OS thread, in submission order.
 """
@@ -38,7 +41,7 @@ class ComputeThread:
     """`call` blocks the caller (start-up, before the event loop serves), `run` awaits the
     work from the event loop; both on the one compute thread."""
 
-    def __init__(self, own_thread: bool = False, name: str = "forward") -> None:
+    def __init__(self, own_thread: bool = True, name: str = "forward") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if own_thread else None
         self._caller: int | None = None  # inline: the thread every call came from
 

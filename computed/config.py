@@ -45,7 +45,7 @@ class ComputedConfig:
     # streams land over a few ms), the first step waits for the next ones: until none has
     # come for a quarter of this, at most this long. 0: step at the first arrival.
     admission_window_seconds: float = 0.02
-    forward_on: str = "loop"
+    forward_on: str = "thread"
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     # Address clients use to reach this worker (announced to blockd for routing);

@@ -275,7 +275,8 @@ class Engine:
             if self.observer is not None:
                 self.observer.on_step(elapsed)
             if progressed:
-                await self._serve_between_steps()
+                if not self._compute.own_thread:
+                    await self._serve_between_steps()
             else:
                 # Nothing could run (e.g. every admission deferred): let blocks free up.
                 self._wake.clear()

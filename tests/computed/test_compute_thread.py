@@ -28,9 +28,9 @@ def test_calls_and_runs_share_one_thread_in_order() -> None:
 
 
 def test_inline_calls_and_runs_stay_on_the_callers_thread() -> None:
-    """The default: the caller's thread (the event loop's) runs everything, in order, and a
-    call from a second thread is refused (it would start a second OpenMP team)."""
-    compute = ComputeThread()
+    """Inline: the caller's thread (the event loop's) runs everything, in order, and a call
+    from a second thread is refused (it would start a second OpenMP team)."""
+    compute = ComputeThread(own_thread=False)
     seen: list[tuple[str, int]] = []
     compute.call(lambda: seen.append(("call", threading.get_ident())))
 

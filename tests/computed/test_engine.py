@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from blockd.directory import BlockDirectory
+from computed.compute_thread import ComputeThread
 from computed.engine import Engine, GenerationChunk
 from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
@@ -46,6 +47,7 @@ def build(
     num_blocks: int = NUM_BLOCKS,
     num_host_blocks: int = 0,
     admission_window: float = 0.0,
+    compute: ComputeThread | None = None,
 ) -> tuple[Engine, InProcessDirectory]:
     loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
     c = loaded.config
@@ -58,7 +60,7 @@ def build(
         SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, max_model_len=256), eos_token_ids=()
     )
     directory = InProcessDirectory(BlockDirectory(), num_blocks, BLOCK, num_host_blocks=num_host_blocks)
-    return Engine(scheduler, runner, directory, admission_window=admission_window), directory
+    return Engine(scheduler, runner, directory, admission_window=admission_window, compute=compute), directory
 
 
 async def generate(
@@ -313,12 +315,12 @@ def test_no_gathering_without_a_waiting_request(tiny_models: TinyModels) -> None
 
 
 def test_the_loop_serves_between_steps(tiny_models: TinyModels) -> None:
-    """The forward runs on the loop's thread and awaits nothing, so the engine yields after
-    each step: a streamed token reaches its reader before the next step runs, not in a
+    """With the forward on the loop's thread (`--forward-on loop`), it awaits nothing, so the
+    engine yields after each step: a streamed token reaches its reader before the next step runs, not in a
     burst when the engine next waits for blockd (or at the end)."""
 
     async def run() -> list[int]:
-        engine, _ = build(tiny_models)
+        engine, _ = build(tiny_models, compute=ComputeThread(own_thread=False))
         await engine.start()
         try:
             _, queue = engine.add_request(
