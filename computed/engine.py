@@ -275,7 +275,9 @@ class Engine:
             if self.observer is not None:
                 self.observer.on_step(elapsed)
             if progressed:
-                if not self._compute.own_thread:
+                if self._compute.own_thread:
+                    self._fed.clear()  # its loop served during the forward
+                else:
                     await self._serve_between_steps()
             else:
                 # Nothing could run (e.g. every admission deferred): let blocks free up.

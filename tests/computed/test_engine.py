@@ -339,3 +339,19 @@ def test_the_loop_serves_between_steps(tiny_models: TinyModels) -> None:
     # The last two chunks (the last token, the finish) come from one step.
     assert len(steps) == 25
     assert all(a < b for a, b in itertools.pairwise(steps[:-1])), f"tokens arrived in bursts: steps {steps}"
+
+
+def test_a_forward_thread_engine_keeps_no_record_of_fed_queues(tiny_models: TinyModels) -> None:
+    """The queues a step fed are tracked for the turns between inline steps only: with the
+    forward on its own thread (the default) the record is cleared every step, not grown."""
+
+    async def run() -> int:
+        engine, _ = build(tiny_models, compute=ComputeThread(own_thread=True))
+        await engine.start()
+        try:
+            await generate(engine, PROMPT, max_tokens=12)
+            return len(engine._fed)
+        finally:
+            await engine.stop(0)
+
+    assert asyncio.run(run()) <= 2  # at most the last step's two chunks (last token, finish)
