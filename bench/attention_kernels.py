@@ -195,12 +195,18 @@ def linear() -> None:
     """The default model's products (the fused q/k/v, o, the fused gate/up, down and the
     vocabulary projection), hot and from cold caches (as a decode step finds its weights
     after its K/V reads): `F.linear` (MKL) against `kvcache::packed_linear` on a weight
-    packed once. Sums per layer-and-head set show what a step pays."""
+    packed once, float32 and (the weights are bfloat16 values, as the built-in model's)
+    at half the bytes (`pack_linear_weight_bf16`, the same products bit for bit). Sums
+    per layer-and-head set show what a step pays."""
     import torch.nn.functional as F
 
     from computed import kernels
 
-    pack, op = kernels.pack_linear_weight(), kernels.packed_linear()
+    pack, pack_bf16, op = (
+        kernels.pack_linear_weight(),
+        kernels.pack_linear_weight_bf16(),
+        kernels.packed_linear(),
+    )
     print(
         f"linear layers, x (M, K) W^T: F.linear vs native kvcache::packed_linear ({kernels.error() or 'built'}) (ms)"
     )
@@ -216,23 +222,23 @@ def linear() -> None:
         return total / repeats * 1e3
 
     for m in (1, 8, 64, 512, 2048):
-        sums = [0.0, 0.0, 0.0, 0.0]  # hot F.linear, hot native, cold F.linear, cold native
+        # hot F.linear, native, native bf16; cold F.linear, native, native bf16
+        sums = [0.0] * 6
         for n, k in ((512, 256), (256, 256), (1376, 256), (256, 688), (4096, 256)):
-            x, w = torch.randn(m, k), torch.randn(n, k)
-            base = partial(F.linear, x, w)
-            times = [timed(base, 20), 0.0, cold(base) if m <= 64 else 0.0, 0.0]
+            x, w = torch.randn(m, k), torch.randn(n, k).to(torch.bfloat16).float()
+            runs = [partial(F.linear, x, w)]
             if op is not None:
-                native = partial(op, x, pack(w), None, n)
-                times[1] = timed(native, 20)
-                times[3] = cold(native) if m <= 64 else 0.0
+                runs += [partial(op, x, pack(w), None, n), partial(op, x, pack_bf16(w), None, n)]
+            times = [timed(run, 20) for run in runs] + [0.0] * (3 - len(runs))
+            times += [cold(run) for run in runs] + [0.0] * (3 - len(runs)) if m <= 64 else [0.0] * 3
             sums = [a + b for a, b in zip(sums, times)]
-            row = f"  {m} x {k} -> {n}: F.linear {times[0]:.3f}, native {times[1]:.3f}"
+            row = f"  {m} x {k} -> {n}: F.linear {times[0]:.3f}, native {times[1]:.3f}, bf16-packed {times[2]:.3f}"
             if m <= 64:
-                row += f"; cold: F.linear {times[2]:.3f}, native {times[3]:.3f}"
+                row += f"; cold: {times[3]:.3f}, {times[4]:.3f}, {times[5]:.3f}"
             print(row)
-        row = f"  {m} rows, the five products: F.linear {sums[0]:.2f}, native {sums[1]:.2f}"
+        row = f"  {m} rows, the five products: F.linear {sums[0]:.2f}, native {sums[1]:.2f}, bf16-packed {sums[2]:.2f}"
         if m <= 64:
-            row += f"; cold: F.linear {sums[2]:.2f}, native {sums[3]:.2f}"
+            row += f"; cold: {sums[3]:.2f}, {sums[4]:.2f}, {sums[5]:.2f}"
         print(row)
 
 

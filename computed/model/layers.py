@@ -35,7 +35,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     loaded as float32) packs at half the bytes, widened back exactly as the kernel reads it:
     the same products bit for bit. Why: a decode step reads its weights back from memory
     (the step's K/V reads evict them), and that read is a third of a small batch's products
-    (`python -m bench.attention_kernels`, linear block)."""
+    (`python -m bench.attention_kernels`, linear block, one layer's five products from cold
+    caches on a 2-core Zen 4: 8 rows 0.34 -> 0.27 ms, 64 rows 1.36 -> 1.24 ms)."""
     op = kernels.pack_linear_weight()
     if op is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
