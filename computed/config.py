@@ -45,6 +45,8 @@ class ComputedConfig:
     # streams land over a few ms), the first step waits for the next ones: until none has
     # come for a quarter of this, at most this long. 0: step at the first arrival.
     admission_window_seconds: float = 0.02
+    # "thread": the loop keeps admitting requests during a step; "loop" saves a thread wake a
+    # step but admits a burst over several steps (compute_thread.py measured both).
     forward_on: str = "thread"
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
