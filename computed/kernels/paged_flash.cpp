@@ -77,6 +77,9 @@ constexpr int kBlockKeys = 128;
 // padded to 66 cost 3%: A/B of the two builds on the same tiles).
 constexpr int kBlockRows = 66;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Keys ahead whose K/V rows the gather asks for: a row is a few cache lines of a block
+// anywhere in the pool, and without the hints the copy waits on memory a row at a time.
+constexpr int64_t kGatherAhead = 32;
 
 struct Shape {
   int64_t queries, heads, kv_heads, dim, width, group;
@@ -409,6 +412,13 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
         const int64_t i = jobs[x].item, h = jobs[x].kv_head, len = lens[i];
         for (int64_t j = 0; j < lp_keys; ++j) {
           float* tile = kt.data() + (j / kBlockKeys) * kBlockKeys * sh.dim + j % kBlockKeys;
+          if (j + kGatherAhead < len) {
+            const int64_t ahead = (slots[i * sh.width + j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
+            for (int64_t d = 0; d < sh.dim; d += 16) {
+              __builtin_prefetch(kp + ahead + d, 0, 0);
+              __builtin_prefetch(vp + ahead + d, 0, 0);
+            }
+          }
           if (j < len) {
             const int64_t row = (slots[i * sh.width + j] * sh.kv_heads + h) * sh.dim;
             for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = kp[row + d];
