@@ -81,6 +81,14 @@ def packed_linear() -> Callable | None:
     return torch.ops.kvcache.packed_linear if _loaded()[0] else None
 
 
+def packed_linear_swiglu() -> Callable | None:
+    """SwiGLU's product and activation in one op on a packed fused gate/up weight
+    (`packed_linear_swiglu(x, packed, n) -> silu(gate) * up`, n = 2 x intermediate, the
+    intermediate a multiple of 16: bit for bit `silu_mul()` of `packed_linear()`), or None
+    as `paged_decode()`."""
+    return torch.ops.kvcache.packed_linear_swiglu if _loaded()[0] else None
+
+
 def rotary() -> Callable | None:
     """The rotary op (`rotary(q, k, cos, sin) -> (q, k)`, bit-identical to
     `computed.model.rope.apply_rotary` on CPU float32), or None as `paged_decode()`."""

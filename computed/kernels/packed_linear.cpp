@@ -33,6 +33,15 @@
 //   bias   (n,)     float32 or None
 //   n               the weight's N (16 * panels - 15 <= n <= 16 * panels)
 //   y      (M, n)   float32
+// kvcache::packed_linear_swiglu(x, packed, n) -> y
+//   x, packed       as packed_linear's, packed from a fused gate/up weight (N = n = 2I:
+//                   the gate's I rows, then the up's, I a multiple of 16)
+//   y      (M, I)   float32, silu(x Wg^T) * (x Wu^T): silu_mul(packed_linear(x, packed,
+//                   None, n)) bit for bit, without the (M, 2I) product in memory
+//
+// Why the fused op: in a prefill step the (M, 2I) product is megabytes, written by the
+// product and read back by silu_mul from beyond L2 (a 2,048-row step: silu_mul 1.5 ms a
+// layer, `python -m bench.attention_kernels`, linear block, "swiglu").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,6 +56,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -81,10 +91,10 @@ inline void weights(const uint32_t* panel, int64_t i, v8& w0, v8& w1) {
   std::memcpy(&w1, &high, sizeof(w1));
 }
 
-// y[r, 0..cols) (+ bias) for R rows of x against one panel (W: float, or uint32_t for bf16).
+// lo[r], hi[r] = x[r, :] . the panel's 16 columns, for R rows of x (W: float, or uint32_t
+// for bf16): one multiply-add chain over k = 0..K-1 in order from zero per output.
 template <int R, class W>
-inline void block(const float* x, int64_t k, const W* panel, const float* bias, float* y, int64_t n, int64_t cols) {
-  v8 lo[R], hi[R];
+inline void accumulate(const float* x, int64_t k, const W* panel, v8* lo, v8* hi) {
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = splat(0.f);
   for (int64_t i = 0; i < k; ++i) {
     v8 w0, w1;
@@ -95,6 +105,13 @@ inline void block(const float* x, int64_t k, const W* panel, const float* bias, 
       hi[r] += a * w1;
     }
   }
+}
+
+// y[r, 0..cols) (+ bias) for R rows of x against one panel.
+template <int R, class W>
+inline void block(const float* x, int64_t k, const W* panel, const float* bias, float* y, int64_t n, int64_t cols) {
+  v8 lo[R], hi[R];
+  accumulate<R>(x, k, panel, lo, hi);
   if (bias != nullptr) {
     float b[kPanel] = {};
     std::copy(bias, bias + cols, b);
@@ -117,6 +134,25 @@ inline void block(const float* x, int64_t k, const W* panel, const float* bias, 
   }
 }
 
+// f(std::integral_constant<int, R>, r) for the blocks of R rows starting at r that cover
+// [row_lo, row_hi): kRows at a time, then one block of the rest.
+template <class F>
+inline void for_row_blocks(int64_t row_lo, int64_t row_hi, F f) {
+  int64_t r = row_lo;
+  for (; r + kRows <= row_hi; r += kRows) f(std::integral_constant<int, kRows>{}, r);
+  static_assert(kRows <= 8, "the remainder cases below");
+  switch (row_hi - r) {
+    case 7: f(std::integral_constant<int, 7>{}, r); break;
+    case 6: f(std::integral_constant<int, 6>{}, r); break;
+    case 5: f(std::integral_constant<int, 5>{}, r); break;
+    case 4: f(std::integral_constant<int, 4>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
 // Rows [row_lo, row_hi) by panels [p_lo, p_hi): each panel (K x 16, in L1 for K <= 256)
 // meets every row block of the range before the next panel is read.
 template <class W>
@@ -127,19 +163,69 @@ void rows_by_panels(const float* x, const W* packed, const float* bias, float* y
     const W* panel = packed + p * k * kWords;
     const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
     const float* b = bias != nullptr ? bias + col : nullptr;
-    int64_t r = row_lo;
-    for (; r + kRows <= row_hi; r += kRows) block<kRows>(x + r * k, k, panel, b, y + r * n + col, n, cols);
-    static_assert(kRows <= 8, "the remainder cases below");
-    switch (row_hi - r) {
-      case 7: block<7>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      case 6: block<6>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      case 5: block<5>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      case 4: block<4>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      case 3: block<3>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      case 2: block<2>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      case 1: block<1>(x + r * k, k, panel, b, y + r * n + col, n, cols); break;
-      default: break;
+    for_row_blocks(row_lo, row_hi, [&](auto rows, int64_t r) {
+      block<decltype(rows)::value>(x + r * k, k, panel, b, y + r * n + col, n, cols);
+    });
+  }
+}
+
+// SwiGLU's activation in the product's epilogue: y[r, c] = silu(g) * u for the gate's
+// output g = x[r] . W[c] and the up's u = x[r] . W[c + I], for R rows of x and the 16
+// columns of one panel pair (the gate's panel p and the up's panel p + I / 16). Each of g
+// and u is the chain `accumulate` computes, and silu(g) * u is silu_mul.cpp's expression:
+// the same values, bit for bit, as packed_linear then silu_mul.
+template <int R, class W>
+inline void swiglu_block(const float* x, int64_t k, const W* gate_panel, const W* up_panel, float* y, int64_t n) {
+  v8 lo[R], hi[R];
+  accumulate<R>(x, k, gate_panel, lo, hi);
+  float gate[R][kPanel];  // to L1: the up panel's accumulators need the registers
+  for (int r = 0; r < R; ++r) {
+    store(gate[r], lo[r]);
+    store(gate[r] + 8, hi[r]);
+  }
+  accumulate<R>(x, k, up_panel, lo, hi);
+  const v8 one = splat(1.f);
+  for (int r = 0; r < R; ++r) {
+    const v8 g0 = load(gate[r]), g1 = load(gate[r] + 8);
+    store(y + r * n, g0 / (one + exp_any(-g0)) * lo[r]);
+    store(y + r * n + 8, g1 / (one + exp_any(-g1)) * hi[r]);
+  }
+}
+
+// Rows [row_lo, row_hi) by output panels [p_lo, p_hi) of y (M, n), n = I a multiple of 16.
+template <class W>
+void swiglu_rows_by_panels(const float* x, const W* packed, float* y, int64_t k, int64_t n, int64_t row_lo,
+                           int64_t row_hi, int64_t p_lo, int64_t p_hi) {
+  constexpr int64_t kWords = std::is_same_v<W, float> ? kPanel : kPanel / 2;
+  const int64_t up_offset = (n / kPanel) * k * kWords;
+  for (int64_t p = p_lo; p < p_hi; ++p) {
+    const W* gate = packed + p * k * kWords;
+    const int64_t col = p * kPanel;
+    for_row_blocks(row_lo, row_hi, [&](auto rows, int64_t r) {
+      swiglu_block<decltype(rows)::value>(x + r * k, k, gate, gate + up_offset, y + r * n + col, n);
+    });
+  }
+}
+
+// The products' tasks: row chunks x panel groups, enough of them (4 per thread) to even
+// out the work; `run_task(row_lo, row_hi, p_lo, p_hi)` does one.
+template <class F>
+void parallel_tasks(int64_t m, int64_t panels, F run_task) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t groups = std::min(panels, std::max<int64_t>(1, (4 * threads + chunks - 1) / chunks));
+  const int64_t tasks = chunks * groups;
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t chunk = t / groups, group = t % groups;
+      const int64_t row_lo = chunk * kChunkRows, row_hi = std::min(m, row_lo + kChunkRows);
+      run_task(row_lo, row_hi, panels * group / groups, panels * (group + 1) / groups);
     }
+  };
+  if (threads == 1 || tasks == 1) {
+    run(0, tasks);
+  } else {
+    at::parallel_for(0, tasks, 1, run);
   }
 }
 
@@ -197,27 +283,40 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   const uint32_t* wb = bf16 ? reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  // Tasks: row chunks x panel groups, enough of them (4 per thread) to even out the work.
-  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
-  const int64_t groups = std::min(panels, std::max<int64_t>(1, (4 * threads + chunks - 1) / chunks));
-  const int64_t tasks = chunks * groups;
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t chunk = t / groups, group = t % groups;
-      const int64_t row_lo = chunk * kChunkRows, row_hi = std::min(m, row_lo + kChunkRows);
-      const int64_t p_lo = panels * group / groups, p_hi = panels * (group + 1) / groups;
-      if (bf16)
-        rows_by_panels(xp, wb, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
-      else
-        rows_by_panels(xp, wp, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
-    }
-  };
-  if (threads == 1 || tasks == 1) {
-    run(0, tasks);
-  } else {
-    at::parallel_for(0, tasks, 1, run);
-  }
+  parallel_tasks(m, panels, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
+    if (bf16)
+      rows_by_panels(xp, wb, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
+    else
+      rows_by_panels(xp, wp, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
+  });
+  return y;
+}
+
+at::Tensor packed_linear_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "packed_linear_swiglu takes contiguous float32 x (M, K)");
+  const bool bf16 = packed.scalar_type() == at::kInt;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  ((packed.scalar_type() == at::kFloat && packed.size(2) == kPanel) ||
+                   (bf16 && packed.size(2) == kPanel / 2)),
+              "packed_linear_swiglu takes a weight from pack_linear_weight or pack_linear_weight_bf16");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k, "x has ", k, " columns, the packed weight ", packed.size(1));
+  TORCH_CHECK(n == panels * kPanel && n % (2 * kPanel) == 0, "packed_linear_swiglu needs the gate's and the up's ",
+              "rows, each a multiple of ", kPanel, ", as the weight's n; got n = ", n, " for ", panels, " panels");
+  const int64_t width = n / 2;
+  at::Tensor y = at::empty({m, width}, x.options());
+  if (m == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = bf16 ? nullptr : packed.data_ptr<float>();
+  const uint32_t* wb = bf16 ? reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) : nullptr;
+  float* yp = y.data_ptr<float>();
+  parallel_tasks(m, width / kPanel, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
+    if (bf16)
+      swiglu_rows_by_panels(xp, wb, yp, k, width, row_lo, row_hi, p_lo, p_hi);
+    else
+      swiglu_rows_by_panels(xp, wp, yp, k, width, row_lo, row_hi, p_lo, p_hi);
+  });
   return y;
 }
 
@@ -227,10 +326,12 @@ TORCH_LIBRARY_FRAGMENT(kvcache, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("packed_linear_swiglu(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("pack_linear_weight_bf16", pack_linear_weight_bf16);
   m.impl("packed_linear", packed_linear);
+  m.impl("packed_linear_swiglu", packed_linear_swiglu);
 }

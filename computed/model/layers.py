@@ -155,6 +155,19 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if (
+            self.gate_up_packed is not None
+            and self.intermediate_size % 16 == 0
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and x.device.type == "cpu"
+        ):
+            # The activation in the product's epilogue: the (T, 2 * intermediate) product never
+            # reaches memory (`kvcache::packed_linear_swiglu`, bit for bit the two ops below).
+            op = kernels.packed_linear_swiglu()
+            assert op is not None, "a packed weight implies the native kernels loaded"
+            return self.down_proj(op(x, self.gate_up_packed, 2 * self.intermediate_size))
         gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # (T, 2 * intermediate)
         if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2:
             op = kernels.silu_mul()
