@@ -240,6 +240,15 @@ def linear() -> None:
         if m <= 64:
             row += f"; cold: {sums[3]:.2f}, {sums[4]:.2f}, {sums[5]:.2f}"
         print(row)
+        swiglu, silu_mul = kernels.packed_linear_swiglu(), kernels.silu_mul()
+        if swiglu is not None:
+            x = torch.randn(m, 256)
+            packed = pack_bf16(torch.randn(1376, 256).to(torch.bfloat16).float())
+            two = timed(lambda x=x, p=packed: silu_mul(op(x, p, None, 1376)), 20)
+            fused = timed(lambda x=x, p=packed: swiglu(x, p, 1376), 20)
+            print(
+                f"  {m} rows, swiglu (256 -> 1376, activation): product + silu_mul {two:.3f}, fused {fused:.3f}"
+            )
 
 
 MERGES = [  # (what, rows, partials per row)

@@ -166,8 +166,8 @@ class SwiGLU(nn.Module):
             # The activation in the product's epilogue: the (T, 2 * intermediate) product never
             # reaches memory (`kvcache::packed_linear_swiglu`, bit for bit the two ops below).
             op = kernels.packed_linear_swiglu()
-            assert op is not None, "a packed weight implies the native kernels loaded"
-            return self.down_proj(op(x, self.gate_up_packed, 2 * self.intermediate_size))
+            if op is not None:
+                return self.down_proj(op(x, self.gate_up_packed, 2 * self.intermediate_size))
         gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # (T, 2 * intermediate)
         if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2:
             op = kernels.silu_mul()

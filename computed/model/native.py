@@ -61,6 +61,10 @@ class NativeForward:
     eps: float
     rotary: torch.nn.Module  # the model's RotaryEmbedding (its cos/sin tables)
     ops: tuple[Callable, ...]  # rms_norm, add_rms_norm, rotary, silu_mul, packed_linear
+    # packed_linear_swiglu: a layer whose intermediate size is a multiple of 16 runs its
+    # gate/up product and activation as one op (bit for bit the two; the (T, 2I) product
+    # never reaches memory: a 2,048-token prefill step 3-6% faster, packed_linear.cpp says).
+    swiglu: Callable
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeForward | None:
@@ -73,7 +77,13 @@ class NativeForward:
             kernels.silu_mul(),
             kernels.packed_linear(),
         )
-        if any(op is None for op in ops) or model.lm_head.packed is None or model.lm_head.bias is not None:
+        swiglu = kernels.packed_linear_swiglu()
+        if (
+            any(op is None for op in ops)
+            or swiglu is None
+            or model.lm_head.packed is None
+            or model.lm_head.bias is not None
+        ):
             return None
         norms = [model.model.norm]
         layers = []
@@ -120,6 +130,7 @@ class NativeForward:
             eps=norms[0].eps,
             rotary=model.rotary,
             ops=tuple(op.default for op in ops),
+            swiglu=swiglu.default,
         )
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
@@ -150,7 +161,10 @@ class NativeForward:
             h, x = add_rms(
                 x, product(out.reshape(num_tokens, sizes[0]), layer.o, None, hidden), layer.post_norm, eps
             )
-            up = silu_mul(product(h, layer.gate_up, None, layer.gate_up_size))
+            if layer.gate_up_size % 32 == 0:
+                up = self.swiglu(h, layer.gate_up, layer.gate_up_size)
+            else:
+                up = silu_mul(product(h, layer.gate_up, None, layer.gate_up_size))
             h, x = add_rms(x, product(up, layer.down, None, hidden), next_norm, eps)
         return h
 

@@ -420,6 +420,45 @@ def test_silu_mul_matches_torch(rows: int, width: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 97])
+@pytest.mark.parametrize(("width", "in_features"), [(688, 256), (16, 688), (48, 5)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_packed_linear_swiglu_is_the_two_ops_bit_for_bit(rows, width, in_features, bf16) -> None:
+    """The product's epilogue applies silu(gate) * up: exactly silu_mul of packed_linear's
+    (M, 2I) product, for either packing, whatever rows (full and remainder row blocks),
+    the threads, or the row's place in the batch."""
+    op = _built(kernels.packed_linear_swiglu())
+    product, silu_mul = _built(kernels.packed_linear()), _built(kernels.silu_mul())
+    x, weight, _ = _linear_inputs(rows, 2 * width, in_features)
+    x = x * 3  # gates well past silu's knee both ways
+    if bf16:
+        weight = weight.to(torch.bfloat16).float()
+    packed = pack_weight(weight)
+    assert packed.dtype == (torch.int32 if bf16 else torch.float32)
+    with torch.inference_mode():
+        with _threads(2):
+            out = op(x, packed, 2 * width)
+            assert torch.equal(out, silu_mul(product(x, packed, None, 2 * width)))
+        with _threads(1):
+            assert torch.equal(op(x, packed, 2 * width), out)
+        assert torch.equal(op(x[rows - 1 :], packed, 2 * width), out[rows - 1 :])
+    gate, up = torch.nn.functional.linear(x.double(), weight.double()).split(width, dim=-1)
+    torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up).float(), atol=1e-4, rtol=1e-5)
+
+
+@needs_compiler
+def test_packed_linear_swiglu_refuses_widths_off_the_panels() -> None:
+    op = _built(kernels.packed_linear_swiglu())
+    pack = _built(kernels.pack_linear_weight())
+    with pytest.raises(RuntimeError, match=r"each a multiple of 16, as the weight's n; got n = 40"):
+        op(torch.zeros(2, 8), pack(torch.zeros(40, 8)), 40)  # a gate of 20 rows
+    with pytest.raises(RuntimeError, match="got n = 16 for 1 panels"):
+        op(torch.zeros(2, 8), pack(torch.zeros(16, 8)), 16)  # one panel: no pair
+    with pytest.raises(RuntimeError, match="x has 8 columns, the packed weight 7"):
+        op(torch.zeros(2, 8), pack(torch.zeros(32, 7)), 32)
+
+
+@needs_compiler
 def test_silu_mul_rejects_odd_or_strided_input() -> None:
     op = _built(kernels.silu_mul())
     with pytest.raises(RuntimeError, match="even number of columns"):

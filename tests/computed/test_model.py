@@ -405,6 +405,7 @@ def test_fused_projections_keep_parameters_and_results(checkpoint: Path, monkeyp
     from computed import kernels
 
     monkeypatch.setattr(kernels, "silu_mul", lambda: None)
+    monkeypatch.setattr(kernels, "packed_linear_swiglu", lambda: None)
     loaded = ours(checkpoint)
     loaded.model.pack_projections()  # again under the patch (a cached model packed without it)
     assert loaded.model.native is None  # NativeForward needs the native activation
