@@ -221,6 +221,7 @@ def linear() -> None:
             total += time.perf_counter() - started
         return total / repeats * 1e3
 
+    swiglu, silu_mul = kernels.packed_linear_swiglu(), kernels.silu_mul()
     for m in (1, 8, 64, 512, 2048):
         # hot F.linear, native, native bf16; cold F.linear, native, native bf16
         sums = [0.0] * 6
@@ -240,7 +241,6 @@ def linear() -> None:
         if m <= 64:
             row += f"; cold: {sums[3]:.2f}, {sums[4]:.2f}, {sums[5]:.2f}"
         print(row)
-        swiglu, silu_mul = kernels.packed_linear_swiglu(), kernels.silu_mul()
         if swiglu is not None:
             x = torch.randn(m, 256)
             packed = pack_bf16(torch.randn(1376, 256).to(torch.bfloat16).float())
