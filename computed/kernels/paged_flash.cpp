@@ -79,6 +79,9 @@ constexpr int kBlockRows = 66;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Keys ahead whose K/V rows the gather asks for: a row is a few cache lines of a block
 // anywhere in the pool, and without the hints the copy waits on memory a row at a time.
+// 64 decode rows x 1,024 keys in random blocks, caches evicted first, 2 threads: 957 ->
+// 615-665 us a call (16 ahead: 703; 64: no better); in the shared-prefix decode step
+// (`torch.profiler`, 64 x (1,024 + 97)) 670 -> 568 us a layer.
 constexpr int64_t kGatherAhead = 32;
 
 struct Shape {
