@@ -262,17 +262,31 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "packed_linear takes contiguous float32 x (M, K)");
+// A packed product's inputs, checked for `op`: x contiguous float32 (M, K), packed from
+// pack_linear_weight or pack_linear_weight_bf16 with K matching. Returns its weights: one
+// of the two pointers, the other null.
+struct PackedWeights {
+  const float* f32;
+  const uint32_t* bf16;
+};
+
+PackedWeights check_product(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              " takes contiguous float32 x (M, K)");
   const bool bf16 = packed.scalar_type() == at::kInt;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                   ((packed.scalar_type() == at::kFloat && packed.size(2) == kPanel) ||
                    (bf16 && packed.size(2) == kPanel / 2)),
-              "packed_linear takes a weight from pack_linear_weight or pack_linear_weight_bf16");
+              op, " takes a weight from pack_linear_weight or pack_linear_weight_bf16");
+  TORCH_CHECK(packed.size(1) == x.size(1), "x has ", x.size(1), " columns, the packed weight ", packed.size(1));
+  if (bf16) return {nullptr, reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>())};
+  return {packed.data_ptr<float>(), nullptr};
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         int64_t n) {
+  const PackedWeights w = check_product("packed_linear", x, packed);
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == k, "x has ", k, " columns, the packed weight ", packed.size(1));
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n = ", n, " does not fit ", panels, " panels");
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -281,43 +295,32 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = bf16 ? nullptr : packed.data_ptr<float>();
-  const uint32_t* wb = bf16 ? reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   parallel_tasks(m, panels, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
-    if (bf16)
-      rows_by_panels(xp, wb, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
+    if (w.bf16 != nullptr)
+      rows_by_panels(xp, w.bf16, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
     else
-      rows_by_panels(xp, wp, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
+      rows_by_panels(xp, w.f32, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
   });
   return y;
 }
 
 at::Tensor packed_linear_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "packed_linear_swiglu takes contiguous float32 x (M, K)");
-  const bool bf16 = packed.scalar_type() == at::kInt;
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
-                  ((packed.scalar_type() == at::kFloat && packed.size(2) == kPanel) ||
-                   (bf16 && packed.size(2) == kPanel / 2)),
-              "packed_linear_swiglu takes a weight from pack_linear_weight or pack_linear_weight_bf16");
+  const PackedWeights w = check_product("packed_linear_swiglu", x, packed);
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == k, "x has ", k, " columns, the packed weight ", packed.size(1));
   TORCH_CHECK(n == panels * kPanel && n % (2 * kPanel) == 0, "packed_linear_swiglu needs the gate's and the up's ",
               "rows, each a multiple of ", kPanel, ", as the weight's n; got n = ", n, " for ", panels, " panels");
   const int64_t width = n / 2;
   at::Tensor y = at::empty({m, width}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = bf16 ? nullptr : packed.data_ptr<float>();
-  const uint32_t* wb = bf16 ? reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()) : nullptr;
   float* yp = y.data_ptr<float>();
   parallel_tasks(m, width / kPanel, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
-    if (bf16)
-      swiglu_rows_by_panels(xp, wb, yp, k, width, row_lo, row_hi, p_lo, p_hi);
+    if (w.bf16 != nullptr)
+      swiglu_rows_by_panels(xp, w.bf16, yp, k, width, row_lo, row_hi, p_lo, p_hi);
     else
-      swiglu_rows_by_panels(xp, wp, yp, k, width, row_lo, row_hi, p_lo, p_hi);
+      swiglu_rows_by_panels(xp, w.f32, yp, k, width, row_lo, row_hi, p_lo, p_hi);
   });
   return y;
 }
