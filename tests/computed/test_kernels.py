@@ -32,7 +32,17 @@ def paged_decode():
 @needs_compiler
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(8, 4, 32), (4, 4, 64), (16, 2, 128), (14, 2, 64), (6, 3, 24), (8, 1, 32), (4, 2, 20), (12, 4, 40)],
+    [
+        (8, 4, 32),
+        (4, 4, 64),
+        (16, 2, 128),
+        (14, 2, 64),
+        (6, 3, 24),
+        (8, 1, 32),
+        (3, 1, 32),
+        (4, 2, 20),
+        (12, 4, 40),
+    ],
 )
 def test_matches_dense_attention(paged_decode, heads: int, kv_heads: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
