@@ -357,7 +357,10 @@ def _attend_tile(
             # sizes that are a multiple of 8 and at most 64 query heads per K/V head.
             o, lse = flash(
                 (
-                    q.reshape(items, width_q, num_heads, head_dim) if tile.in_order else q[tile.query_rows]
+                    q.reshape(items, width_q, num_heads, head_dim)
+                    if tile.in_order
+                    # index_select, not q[rows]: ~5 against ~14 us a call (advanced indexing)
+                    else q.index_select(0, tile.query_rows.view(-1)).view(items, width_q, num_heads, head_dim)
                 ).contiguous(),
                 # (I, Qm, H, D)
                 pool_keys,

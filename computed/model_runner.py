@@ -130,7 +130,8 @@ class ModelRunner:
         if not inp.sample_rows:
             return out
         rows = torch.tensor(inp.sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # (S, vocab) float32
+        # index_select, not hidden[rows]: ~3 against ~13 us a step (advanced indexing)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (S, vocab) float32
         generators = [self._generator(sid, p) for sid, p in zip(inp.sequence_ids, inp.params)]
         for chunk_index, token in zip(inp.sample_chunks, sample(logits, inp.params, generators)):
             out[chunk_index] = token
