@@ -216,7 +216,12 @@ class SharedIndex:
         return dropped
 
     def flush(self, salt_digest: bytes | None) -> list[SharedRecord]:
-        """Drop every record (of chains carrying this salt digest if given)."""
+        """Drop every record (of chains carrying this salt digest if given), and forget the
+        stores still pending for those chains: a write that finished just before the flush
+        deleted its key would otherwise be confirmed after it, a record of nothing."""
+        for block_hash, store in list(self.pending.items()):
+            if salt_digest is None or store.record.chain_salt_digest == salt_digest:
+                del self.pending[block_hash]
         matching = [
             r for r in self.index.values() if salt_digest is None or r.chain_salt_digest == salt_digest
         ]

@@ -171,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         "to blockd (blockd --worker-token) [env COMPUTED_WORKER_TOKEN]",
     )
     p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=int(_env("COMPUTED_DECODE_STEPS", "8")),
+        help="decode steps a burst may run back to back while every running request decodes and none "
+        "waits (1: back to the scheduler after every step) [env COMPUTED_DECODE_STEPS]",
+    )
+    p.add_argument(
         "--forward-on",
         choices=FORWARD_ON,
         default=_env("COMPUTED_FORWARD_ON", "thread"),
@@ -224,6 +231,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             admission_window_seconds=a.admission_window_ms / 1e3,
+            decode_steps=a.decode_steps,
             forward_on=a.forward_on,
             max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
             worker_address=a.worker_address,

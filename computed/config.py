@@ -45,6 +45,10 @@ class ComputedConfig:
     # streams land over a few ms), the first step waits for the next ones: until none has
     # come for a quarter of this, at most this long. 0: step at the first arrival.
     admission_window_seconds: float = 0.02
+    # Decode steps one iteration may run back to back while every running sequence
+    # decodes and no request waits (an arrival ends the burst after its current step);
+    # 1: an iteration (schedule, directory Step, thread hand-off) per step.
+    decode_steps: int = 8
     # "thread": the loop keeps admitting requests during a step; "loop" saves a thread wake a
     # step but admits a burst over several steps (compute_thread.py measured both).
     forward_on: str = "thread"
@@ -101,6 +105,8 @@ class ComputedConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+        if not 1 <= self.decode_steps <= 64:
+            raise ValueError(f"--decode-steps must be in 1..64, got {self.decode_steps}")
         if not 0.0 <= self.admission_window_seconds <= 1.0:
             raise ValueError(
                 f"--admission-window-ms must be in 0..1000, got {self.admission_window_seconds * 1e3:g}"

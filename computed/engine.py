@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,7 +65,8 @@ class GenerationChunk:
 class EngineStats:
     """Counters for benchmarks and metrics (all since start)."""
 
-    num_steps: int = 0
+    num_steps: int = 0  # iterations (one directory Step each)
+    num_forwards: int = 0  # forward steps run; more than num_steps when decode steps ran in bursts
     num_prefill_tokens: int = 0  # model positions computed for prompts (uncached only)
     num_decode_tokens: int = 0
     forward_seconds: float = 0.0
@@ -151,6 +153,9 @@ class Engine:
         self._fed: list[asyncio.Queue] = []  # queues sent a chunk since the last step
         self._sequence_ids = itertools.count(1)
         self._wake = asyncio.Event()
+        # Set when a request arrives or leaves: a running burst of decode steps ends after
+        # its current step (read on the compute thread).
+        self._interrupt = threading.Event()
         self._stopping = asyncio.Event()
         self._draining = False  # set by stop(): new requests are refused from then on
         self._compute = compute or ComputeThread()
@@ -225,6 +230,7 @@ class Engine:
         self.runner.add_sequence(seq.sequence_id, params.seed)
         self.scheduler.add(seq)
         self._new_arrivals = True
+        self._interrupt.set()
         if time.monotonic() - self._burst_started <= self._admission_window:
             self._burst_size += 1
         self._wake.set()
@@ -237,6 +243,7 @@ class Engine:
             return
         self.scheduler.finish(req.seq, "cancelled")
         self._finish(req, "", stopped=True)
+        self._interrupt.set()
         self._wake.set()
 
     @property
@@ -470,10 +477,22 @@ class Engine:
         self.stats.directory_wait_seconds += time.monotonic() - started
 
     async def _forward(self, chunks: list[ScheduledChunk]) -> None:
+        """One forward call: a step, or a burst of decode steps back to back when the
+        scheduler allows one (`Scheduler.decode_steps_for`; arrivals and cancellations
+        end a burst after its current step). Each step's tokens are then taken in order,
+        as if each step had been an iteration of its own."""
         batch = self.runner.prepare(chunks)
+        steps = self.scheduler.decode_steps_for(chunks)
         started = time.monotonic()
         try:
-            sampled = await self._compute.run(self.runner.run, batch)
+            if steps > 1:
+                self._interrupt.clear()
+                stop_ids = [self.scheduler.stop_token_ids(chunk.seq) for chunk in chunks]
+                per_step = await self._compute.run(
+                    self.runner.run_steps, batch, steps, stop_ids, self._interrupt
+                )
+            else:
+                per_step = [await self._compute.run(self.runner.run, batch)]
         except Exception:  # fail these requests, keep serving the others
             log.exception("forward_failed", sequences=[c.seq.sequence_id for c in chunks])
             for chunk in chunks:
@@ -484,13 +503,21 @@ class Engine:
             return
         finally:
             self.stats.forward_seconds += time.monotonic() - started
-        for chunk in chunks:  # counted before on_forward_done appends the new tokens
-            if chunk.seq.num_completion_tokens > 0:
-                self.stats.num_decode_tokens += chunk.num_tokens
-            else:
-                self.stats.num_prefill_tokens += chunk.num_tokens
-        for seq in self.scheduler.on_forward_done(chunks, sampled):
-            self._emit(seq)
+        self.stats.num_forwards += len(per_step)
+        for j, sampled in enumerate(per_step):
+            if j > 0:  # step j of a burst fed the token step j - 1 sampled
+                chunks = [
+                    c._replace(start=c.start + 1, end=c.end + 1, write_from=c.write_from + 1) for c in chunks
+                ]
+            for chunk in chunks:  # counted before on_forward_done appends the new tokens
+                if j > 0 and chunk.seq.is_finished:
+                    continue
+                if chunk.seq.num_completion_tokens > 0:
+                    self.stats.num_decode_tokens += chunk.num_tokens
+                else:
+                    self.stats.num_prefill_tokens += chunk.num_tokens
+            for seq in self.scheduler.on_forward_done(chunks, sampled):
+                self._emit(seq)
 
     # ------------------------------------------------------------------ outputs
 

@@ -46,6 +46,11 @@ class _EngineCollector:
             ),
             ("computed_decode_tokens", "Decode positions run through the model", s.num_decode_tokens),
             ("computed_steps", "Engine iterations", s.num_steps),
+            (
+                "computed_forwards",
+                "Forward steps run (decode bursts run several an iteration)",
+                s.num_forwards,
+            ),
             ("computed_forward_seconds", "Seconds in forward passes", s.forward_seconds),
             (
                 "computed_directory_wait_seconds",

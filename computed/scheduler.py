@@ -33,8 +33,12 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Model tokens per step; only uncached tokens are charged (chunked prefill).
     max_num_batched_tokens: int = 2048
+    # Decode steps one forward call may run back to back when every running sequence
+    # decodes and nobody waits (`decode_steps_for`); grows reserve slots this far ahead.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
+        assert self.decode_steps >= 1, "decode_steps must be >= 1"
         assert self.block_size >= 1, "block_size must be >= 1"
         assert self.num_blocks >= 1, "num_blocks must be >= 1"
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
@@ -147,12 +151,19 @@ class Scheduler:
         """Running sequences whose table cannot hold one token more than they have. This
         step writes at most up to the newest token (a fully cached prompt writes nothing):
         short of that the grow is urgent; the slot after it lets the next decode run
-        without waiting on blockd."""
+        without waiting on blockd. With `decode_steps` > 1 the table is grown that many
+        slots ahead (never past the last slot the sequence can write, its prompt plus
+        max_tokens less one), so decode steps can run back to back."""
         grows = []
         limit = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
+        ahead = self.config.decode_steps
         for seq in self.running:
             needed_now, capacity = len(seq.token_ids), len(seq.block_table) * seq.block_size
-            wanted = min(needed_now + 1, limit)
+            wanted = needed_now + 1
+            if ahead > 1:
+                last_slot = seq.num_prompt_tokens + seq.params.max_tokens - 1
+                wanted = max(wanted, min(needed_now + ahead, last_slot))
+            wanted = min(wanted, limit)
             if capacity < wanted:
                 grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=capacity < needed_now))
         return grows
@@ -392,6 +403,35 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, start, end, start, end == seq.num_tokens))
             budget -= end - start
         return chunks
+
+    def decode_steps_for(self, chunks: list[ScheduledChunk]) -> int:
+        """How many decode steps `chunks` may run back to back in one forward call (step j
+        feeds the token step j - 1 sampled): 1 unless every running sequence decodes in
+        them and no request waits to be admitted (a burst would hold it back). At most
+        `decode_steps`, the slots each table already holds, and the tokens each sequence
+        may still produce. Sequences that stop inside a burst drop what came after
+        (`on_forward_done` skips them); the burst itself ends after a stop token
+        (`stop_token_ids`)."""
+        steps = self.config.decode_steps
+        if steps <= 1 or not chunks or self.waiting or self._admitting or len(chunks) != len(self.running):
+            return 1
+        bs, max_len = self.config.block_size, self.config.max_model_len
+        for chunk in chunks:
+            seq = chunk.seq
+            if not chunk.sample or chunk.end - chunk.start != 1 or chunk.write_from != chunk.start:
+                return 1
+            steps = min(
+                steps,
+                len(seq.block_table) * bs - chunk.start,  # step j writes slot start + j
+                seq.params.max_tokens - seq.num_completion_tokens,
+                max_len - seq.num_tokens,
+            )
+        return max(1, steps)
+
+    def stop_token_ids(self, seq: Sequence) -> frozenset[int]:
+        """The tokens that end `seq` (EOS unless ignored, and its stop_token_ids)."""
+        ids = frozenset(seq.params.stop_token_ids)
+        return ids if seq.params.ignore_eos else ids | self.eos_token_ids
 
     def on_forward_done(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> list[Sequence]:
         """Record the forward's K/V and sampled tokens; returns sequences that got a token."""

@@ -171,6 +171,7 @@ def build_server(config: ComputedConfig) -> ComputedServer:
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            decode_steps=config.decode_steps,
         ),
         eos,
     )

@@ -107,6 +107,23 @@ def test_flush_of_the_shared_tier_names_the_namespace_for_the_store():
     assert {t for t, _, _ in everything.tiers} == {Tier.DEVICE, Tier.SHARED}
 
 
+def test_a_write_reported_after_a_flush_stays_unfindable():
+    # The worker's write finished before the flush deleted the namespace's keys, its
+    # report came after: confirming it would make a record of a value no longer there.
+    a, b = two_pools()
+    stores = stored_on(a, 1, A)
+    a.directory.flush(tier=Tier.SHARED)
+    a.step(shared_written=[s.block_hash for s in stores])
+    assert b.directory.lookup(A, pool_id=b.pool_id)[0].num_cached_tokens == 0
+    assert a.directory.stats(a.pool_id).total.shared.num_blocks == 0
+    # A salted flush forgets only its own chains' writes in flight.
+    salted = stored_on(a, 2, A, salt="t1")
+    plain = stored_on(a, 3, [7, 8, 9, 10])
+    a.directory.flush(cache_salt="t1", tier=Tier.SHARED)
+    a.step(shared_written=[s.block_hash for s in salted + plain])
+    assert a.directory.stats(a.pool_id).total.shared.num_blocks == 2
+
+
 def test_with_seen_twice_a_block_goes_to_the_store_on_its_second_sighting():
     a, _b = two_pools(demote_min_hits=1)
     assert stored_on(a, 1, A) == ()

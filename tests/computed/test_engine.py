@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 
 import pytest
 import torch
 
 from blockd.directory import BlockDirectory
+from computed.attention import SpanInput
 from computed.compute_thread import ComputeThread
 from computed.engine import Engine, GenerationChunk
 from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
 from computed.model import load_model
-from computed.model_runner import ModelRunner
+from computed.model_runner import ForwardInput, ModelRunner
 from computed.scheduler import Scheduler, SchedulerConfig
 from computed.sequence import SamplingParams
 from tests.computed.inprocess_directory import InProcessDirectory
@@ -48,6 +50,7 @@ def build(
     num_host_blocks: int = 0,
     admission_window: float = 0.0,
     compute: ComputeThread | None = None,
+    decode_steps: int = 1,
 ) -> tuple[Engine, InProcessDirectory]:
     loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
     c = loaded.config
@@ -57,18 +60,25 @@ def build(
     host = HostKV(pool, num_host_blocks) if num_host_blocks else None
     runner = ModelRunner(loaded.model, pool, BLOCK, torch.device("cpu"), host)
     scheduler = Scheduler(
-        SchedulerConfig(block_size=BLOCK, num_blocks=num_blocks, max_model_len=256), eos_token_ids=()
+        SchedulerConfig(
+            block_size=BLOCK, num_blocks=num_blocks, max_model_len=256, decode_steps=decode_steps
+        ),
+        eos_token_ids=(),
     )
     directory = InProcessDirectory(BlockDirectory(), num_blocks, BLOCK, num_host_blocks=num_host_blocks)
     return Engine(scheduler, runner, directory, admission_window=admission_window, compute=compute), directory
 
 
 async def generate(
-    engine: Engine, prompt: list[int], max_tokens: int, stream_interval: int = 1
+    engine: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    stream_interval: int = 1,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> list[GenerationChunk]:
     _, queue = engine.add_request(
         prompt,
-        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_token_ids),
         SilentDecoder(),
         stream_interval=stream_interval,
     )
@@ -355,3 +365,80 @@ def test_a_forward_thread_engine_keeps_no_record_of_fed_queues(tiny_models: Tiny
             await engine.stop(0)
 
     assert asyncio.run(run()) <= 2  # at most the last step's two chunks (last token, finish)
+
+
+def test_decode_bursts_give_the_tokens_and_finishes_of_single_steps(tiny_models: TinyModels) -> None:
+    """Decode steps run back to back in one forward call (`decode_steps`) change nothing a
+    client sees: the same greedy tokens, the same finish reasons, a stop token inside a
+    burst ends its request there, and every block goes back."""
+    prompts = [PROMPT, PROMPT[:9] + [5, 6, 7], [3 + 2 * i for i in range(13)]]
+    max_tokens = [21, 17, 9]
+
+    async def run(decode_steps: int, stops: list[tuple[int, ...]]):
+        engine, directory = build(tiny_models, decode_steps=decode_steps)
+        await engine.start()
+        try:
+            outs = await asyncio.gather(
+                *(generate(engine, p, m, stop_token_ids=s) for p, m, s in zip(prompts, max_tokens, stops))
+            )
+            await settle(engine)
+            held = num_referenced_blocks(directory)
+        finally:
+            await engine.stop(drain_seconds=1)
+        return [(token_ids(o), o[-1].finish_reason) for o in outs], engine.stats, held
+
+    free, _, _ = asyncio.run(run(1, [(), (), ()]))
+    tokens = free[1][0]
+    # A stop token for the second request: its first new value after the third token.
+    at = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    stops = [(), (tokens[at],), ()]
+    single, single_stats, _ = asyncio.run(run(1, stops))
+    burst, burst_stats, held = asyncio.run(run(8, stops))
+    assert single[1] == (tokens[: at + 1], "stop")
+    assert burst == single
+    assert held == 0
+    assert single_stats.num_forwards <= single_stats.num_steps
+    assert burst_stats.num_forwards > 2 * burst_stats.num_steps, "no decode steps ran back to back"
+    assert burst_stats.num_decode_tokens == single_stats.num_decode_tokens
+
+
+def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
+    tiny_models: TinyModels,
+) -> None:
+    engine, _ = build(tiny_models)
+    runner = engine.runner
+    a, b = PROMPT, [5 + 3 * i for i in range(9)]
+    tables = [list(range(10)), list(range(10, 20))]  # 40 slots each
+    params = [SamplingParams(max_tokens=16)] * 2
+    prefill = ForwardInput(
+        a + b,
+        [SpanInput(tables[0], 0, len(a), True), SpanInput(tables[1], 0, len(b), True)],
+        [len(a) - 1, len(a) + len(b) - 1],
+        [0, 1],
+        params,
+        [1, 2],
+        2,
+    )
+    first = runner.run(prefill)
+    decode = ForwardInput(
+        first,
+        [SpanInput(tables[0], len(a), 1, True), SpanInput(tables[1], len(b), 1, True)],
+        [0, 1],
+        [0, 1],
+        params,
+        [1, 2],
+        2,
+    )
+    one_by_one, inp = [], decode
+    for _ in range(6):
+        one_by_one.append(runner.run(inp))
+        inp = inp.next_decode(one_by_one[-1])
+    never = [frozenset[int]()] * 2
+    assert runner.run_steps(decode, 6, never, threading.Event()) == one_by_one
+    interrupted = threading.Event()
+    interrupted.set()
+    assert runner.run_steps(decode, 6, never, interrupted) == one_by_one[:1]
+    row_b = [step[1] for step in one_by_one]
+    at = next(i for i in range(1, 6) if row_b[i] not in row_b[:i])
+    stops = [frozenset[int](), frozenset({row_b[at]})]
+    assert runner.run_steps(decode, 6, stops, threading.Event()) == one_by_one[: at + 1]

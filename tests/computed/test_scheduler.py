@@ -48,6 +48,9 @@ class Harness:
         self.num_model_tokens = 0
         self.max_chunk = 0
         self.urgent_waits = 0  # steps that waited on blockd for a grow alone
+        self.num_forwards = 0
+        self.num_iterations = 0  # iterations that ran a forward
+        self.max_table = 0  # the most blocks any sequence's table held
         self._ids = 0
 
     def add(self, prompt: list[int], max_tokens: int, salt: str = "") -> Sequence:
@@ -105,8 +108,23 @@ class Harness:
                 self.shadow[slot(p)] = seq.token_ids[p]
             self.num_model_tokens += chunk.num_tokens
             self.max_chunk = max(self.max_chunk, chunk.num_tokens)
+            self.max_table = max(self.max_table, len(seq.block_table))
             out.append(next_token(seq.token_ids[: chunk.end]) if chunk.sample else None)
         return out
+
+    def forward_steps(self, chunks: list[ScheduledChunk]) -> None:
+        """The engine's forward: `decode_steps_for` steps back to back, step j feeding the
+        token step j - 1 sampled; a sequence that finished inside the burst is skipped."""
+        self.num_iterations += 1
+        for j in range(self.scheduler.decode_steps_for(chunks)):
+            if j > 0:
+                chunks = [
+                    c._replace(start=c.start + 1, end=c.end + 1, write_from=c.write_from + 1) for c in chunks
+                ]
+            live = [c for c in chunks if not c.seq.is_finished]
+            sampled = dict(zip((c.seq.sequence_id for c in live), self.forward(live)))
+            self.num_forwards += 1
+            self.scheduler.on_forward_done(chunks, [sampled.get(c.seq.sequence_id) for c in chunks])
 
     def run(self, max_iterations: int = 20_000) -> None:
         """Mirror the engine: wait for blockd only when admitting or urgently growing."""
@@ -121,13 +139,13 @@ class Harness:
                 ahead = self.scheduler.plan_grows()
                 result = self.step_directory(ahead)  # in flight while the model runs
                 if chunks:
-                    self.scheduler.on_forward_done(chunks, self.forward(chunks))
+                    self.forward_steps(chunks)
                 self.scheduler.apply_result(ahead, result)
             else:
                 chunks = self.scheduler.schedule()
                 result = self.step_directory(ops)  # in flight while the model runs
                 if chunks:
-                    self.scheduler.on_forward_done(chunks, self.forward(chunks))
+                    self.forward_steps(chunks)
                 self.scheduler.apply_result(ops, result)
         raise AssertionError("the scheduler did not finish its work")
 
@@ -200,13 +218,16 @@ def test_budget_charges_only_uncached_tokens():
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workload_under_pressure_matches_reference(seed):
-    """Shared prefixes, salts, a pool too small for everyone: preemption must be lossless."""
+@pytest.mark.parametrize("decode_steps", [1, 6])
+def test_random_workload_under_pressure_matches_reference(seed, decode_steps):
+    """Shared prefixes, salts, a pool too small for everyone: preemption must be lossless,
+    decode steps run back to back or not."""
     rng = random.Random(seed)
     h = Harness(
         num_blocks=rng.choice([24, 40, 64]),
         max_num_seqs=rng.choice([2, 4, 8]),
         max_num_batched_tokens=rng.choice([6, 16, 64]),
+        decode_steps=decode_steps,
     )
     prefixes = [rand_prompt(rng, rng.randrange(0, 30)) for _ in range(3)]
     seqs = []
@@ -220,6 +241,60 @@ def test_random_workload_under_pressure_matches_reference(seed):
     stats = h.directory.stats(h.pool_id).total
     assert stats.num_referenced_blocks == 0, "every block must be released at the end"
     assert stats.num_sequences == 0
+
+
+def test_decode_steps_run_back_to_back_within_the_slots_grown_ahead():
+    h = Harness(num_blocks=64, decode_steps=8)
+    rng = random.Random(11)
+    prompts = [rand_prompt(rng, 10), rand_prompt(rng, 13)]
+    seqs = [h.add(p, 30) for p in prompts]
+    h.run()
+    assert [s.completion_token_ids for s in seqs] == [reference(p, 30) for p in prompts]
+    # 1 prefill step, then 29 decode steps in bursts of at most 8 (and as many as the
+    # grown slots allow): 5 forward calls at least, never a wait on an urgent grow
+    assert h.num_forwards == 1 + 29
+    assert 1 + 4 <= h.num_iterations < 15
+    assert h.urgent_waits == 0
+
+
+def prefilled(h: Harness, prompt: list[int], max_tokens: int) -> list[ScheduledChunk]:
+    """Admit and prefill one sequence, apply the next step's grows: its decode chunks."""
+    sched = h.scheduler
+    h.add(prompt, max_tokens)
+    ops = sched.plan_ops()
+    sched.apply_result(ops, h.step_directory(ops))
+    chunks = sched.schedule()
+    sched.on_forward_done(chunks, h.forward(chunks))
+    ops = sched.plan_ops()
+    sched.apply_result(ops, h.step_directory(ops))
+    return sched.schedule()
+
+
+def test_a_burst_is_bounded_by_its_slots_its_max_tokens_and_waiting_requests():
+    h = Harness(num_blocks=64, decode_steps=8)
+    chunks = prefilled(h, rand_prompt(random.Random(12), 10), 20)
+    assert len(chunks[0].seq.block_table) * 4 >= 11 + 8, "slots grown for a whole burst"
+    assert h.scheduler.decode_steps_for(chunks) == 8
+    late = h.add(rand_prompt(random.Random(13), 5), 3)
+    assert h.scheduler.decode_steps_for(chunks) == 1, "a burst would hold the waiting request back"
+    h.scheduler.finish(late, "cancelled")
+    assert h.scheduler.decode_steps_for(chunks) == 8
+    # 4 tokens asked for, 1 sampled by the prefill: 3 more steps at most
+    h = Harness(num_blocks=64, decode_steps=8)
+    assert h.scheduler.decode_steps_for(prefilled(h, rand_prompt(random.Random(12), 10), 4)) == 3
+    # decode steps of 1: no bursts, grows one slot ahead only
+    h = Harness(num_blocks=64)
+    chunks = prefilled(h, rand_prompt(random.Random(12), 12), 20)
+    assert h.scheduler.decode_steps_for(chunks) == 1 and len(chunks[0].seq.block_table) == 4
+
+
+def test_slots_are_never_grown_past_the_last_a_sequence_can_write():
+    h = Harness(num_blocks=64, block_size=4, decode_steps=8)
+    prompt = rand_prompt(random.Random(13), 10)
+    seq = h.add(prompt, 3)  # writes positions 0..11 at most: 3 blocks
+    h.run()
+    assert seq.completion_token_ids == reference(prompt, 3)
+    assert h.max_table == 3
 
 
 def test_preemption_happens_and_hits_its_own_blocks():
