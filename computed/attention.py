@@ -305,13 +305,29 @@ def paged_attention(
 
     q (T, H, D), k_new/v_new (T, Hkv, D) -> out (T, H, D). H must be a multiple of Hkv.
     """
+    write_new_kv(k_new, v_new, layer_idx, batch, pool)
+    return attend(q, layer_idx, batch, pool, scale)
+
+
+def write_new_kv(
+    k_new: torch.Tensor, v_new: torch.Tensor, layer_idx: int, batch: AttentionBatch, pool: KVPool
+) -> None:
+    """Write the new tokens' K/V (T, Hkv, D) into their pool slots (those `batch` writes)."""
+    assert k_new.shape[0] == batch.num_tokens, f"{k_new.shape[0]} tokens for a batch of {batch.num_tokens}"
+    assert pool.block_size == batch.block_size, "batch built for another block size"
+    _write(pool.key(layer_idx), pool.value(layer_idx), k_new, v_new, batch)
+
+
+def attend(
+    q: torch.Tensor, layer_idx: int, batch: AttentionBatch, pool: KVPool, scale: float
+) -> torch.Tensor:
+    """Every query (T, H, D) over its context as the pool holds it now -> out (T, H, D)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_new.shape[1]
+    key_cache, value_cache = pool.key(layer_idx), pool.value(layer_idx)  # (N, B, Hkv, D)
+    num_kv_heads = key_cache.shape[2]
     assert num_tokens == batch.num_tokens, f"{num_tokens} tokens for a batch of {batch.num_tokens}"
     assert pool.block_size == batch.block_size, "batch built for another block size"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} K/V heads"
-    key_cache, value_cache = pool.key(layer_idx), pool.value(layer_idx)  # (N, B, Hkv, D)
-    _write(key_cache, value_cache, k_new, v_new, batch)
     keys = key_cache.view(-1, num_kv_heads * head_dim)  # (N * B, Hkv * D): one row per slot
     values = value_cache.view(-1, num_kv_heads * head_dim)
 

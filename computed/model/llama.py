@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from computed.attention import AttentionBatch, paged_attention
+from computed.attention import AttentionBatch, attend, paged_attention, write_new_kv
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
 from computed.model.layers import Linear, RMSNorm, SwiGLU, fuse_rows, linear, pack_weight
 from computed.model.native import NativeForward
 from computed.model.rope import RotaryEmbedding, apply_rotary_qk
+from computed.output_rows import OutputRows
 
 
 class Attention(nn.Module):
@@ -57,8 +58,16 @@ class Attention(nn.Module):
         self.o_proj.pack()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        read: OutputRows | None = None,
     ) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); with `read`, writes all T rows' K/V and answers
+        the (S, hidden) of its rows only."""
         num_tokens = x.shape[0]
         if self.qkv_weight is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -73,8 +82,16 @@ class Attention(nn.Module):
             # Contiguous, as the unfused products are: the norm then takes its native kernel.
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = apply_rotary_qk(q, k, cos, sin)
-        out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        if read is None:
+            out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
+        else:
+            write_new_kv(k, v, self.layer_idx, batch, pool)
+            if read.batch is None:  # no row read: the K/V were all that was needed
+                return x.new_empty(0, x.shape[1])
+            out = attend(
+                q.index_select(0, read.rows), self.layer_idx, read.batch, pool, self.scale
+            )  # (S, H, D)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -86,9 +103,17 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch, pool: KVPool
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        read: OutputRows | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        """x (T, hidden) -> (T, hidden), or (S, hidden) for `read`'s rows (see `Attention`)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, read)
+        x = (x if read is None else x.index_select(0, read.rows)) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,16 +171,24 @@ class CausalLM(nn.Module):
         self.native = NativeForward.build(self)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        """input_ids (T,) -> hidden (T, hidden_size)."""
+    def forward(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool, read: OutputRows | None = None
+    ) -> torch.Tensor:
+        """input_ids (T,) -> hidden (T, hidden_size); with `read`, (S, hidden_size) of its
+        rows only, the last layer past its q/k/v product run for them alone
+        (`computed.output_rows`). Every new token's K/V is written either way."""
         self._check_pool(pool)
         if self.native is not None:
-            return self.native.forward(input_ids, batch, pool)
+            return self.native.forward(input_ids, batch, pool, read)
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, cos, sin, batch, pool)
-        return self.model.norm(x)
+        if read is not None and read.batch is None:  # no row read: the last layer's K/V only
+            last.self_attn(last.input_layernorm(x), cos, sin, batch, pool, read)
+            return x.new_empty(0, x.shape[1])
+        return self.model.norm(last(x, cos, sin, batch, pool, read))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

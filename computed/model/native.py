@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from computed import kernels
-from computed.attention import AttentionBatch, paged_attention
+from computed.attention import AttentionBatch, attend, paged_attention, write_new_kv
 from computed.kv_pool import KVPool
+from computed.output_rows import OutputRows
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,12 @@ class NativeForward:
             swiglu=swiglu.default,
         )
 
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool) -> torch.Tensor:
-        """input_ids (T,) -> final-normed hidden (T, hidden), writing the new K/V into `pool`.
+    def forward(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool, read: OutputRows | None = None
+    ) -> torch.Tensor:
+        """input_ids (T,) -> final-normed hidden (T, hidden), writing the new K/V into `pool`;
+        with `read`, the hidden states of its rows only (S, hidden), the last layer run past
+        its q/k/v product for those rows alone (see `computed.output_rows`).
 
         Each residual add runs with the norm after it (`add_rms_norm`: the sum as torch adds,
         then the same norm), so a layer is its modules' `x + attn(norm(x))`, then
@@ -157,7 +162,15 @@ class NativeForward:
             if layer.q_norm is not None:
                 q, k = rms(q.contiguous(), layer.q_norm, eps), rms(k.contiguous(), layer.k_norm, eps)
             q, k = rotary(q, k, cos, sin)
-            out = paged_attention(q, k, v, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
+            if read is not None and layer is self.layers[-1]:
+                write_new_kv(k, v, layer.layer_idx, batch, pool)
+                if read.batch is None:
+                    return h.new_empty(0, hidden)
+                q, x = q.index_select(0, read.rows), x.index_select(0, read.rows)  # (S, H, D), (S, hidden)
+                num_tokens = x.shape[0]
+                out = attend(q, layer.layer_idx, read.batch, pool, layer.scale)  # (S, H, D)
+            else:
+                out = paged_attention(q, k, v, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
             h, x = add_rms(
                 x, product(out.reshape(num_tokens, sizes[0]), layer.o, None, hidden), layer.post_norm, eps
             )
