@@ -131,8 +131,9 @@ class CausalLM(nn.Module):
     """Hidden states for a flat batch of new tokens; logits only where asked.
 
     `forward` writes the new tokens' K/V into `pool` (as `batch` says) and returns the
-    final-normed hidden states; `compute_logits` projects the rows the caller picks
-    (usually `hidden[batch.last_token_index]`), so a long prefill pays for one row only.
+    final-normed hidden states, of every row or of the rows `read` names (the last layer
+    past its q/k/v product then runs for those alone); `compute_logits` projects the rows
+    the caller picks, so a long prefill pays the vocabulary product for one row only.
     """
 
     def __init__(self, config: ModelConfig) -> None:
