@@ -5,7 +5,9 @@ cascaded shared prefixes, a fully cached prompt that writes nothing)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -57,11 +59,20 @@ def steps(vocab: int) -> list[tuple[list[SpanInput], list[int]]]:
     ]
 
 
-def run(loaded, native: bool) -> tuple[list[torch.Tensor], KVPool]:
-    model, c = loaded.model, loaded.config
+@contextlib.contextmanager
+def forward_path(model: torch.nn.Module, native: bool) -> Iterator[None]:
+    """Within: the model runs its native forward (`native`) or its modules' one."""
     saved = model.native
     model.native = saved if native else None
     try:
+        yield
+    finally:
+        model.native = saved
+
+
+def run(loaded, native: bool) -> tuple[list[torch.Tensor], KVPool]:
+    model, c = loaded.model, loaded.config
+    with forward_path(model, native):
         pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, CPU)
         outs = []
         for spans, ids in steps(c.vocab_size):
@@ -70,8 +81,6 @@ def run(loaded, native: bool) -> tuple[list[torch.Tensor], KVPool]:
             hidden = model(torch.tensor(ids), batch, pool)
             outs += [hidden, model.compute_logits(hidden[batch.last_token_index])]
         return outs, pool
-    finally:
-        model.native = saved
 
 
 def test_native_forward_is_the_modules_forward_bit_for_bit(loaded) -> None:

@@ -15,7 +15,7 @@ from computed.kv_pool import KVPool
 from computed.model import load_model
 from computed.output_rows import OutputRows
 from tests.computed.test_model import SAME, VARIANTS
-from tests.computed.test_native_forward import steps
+from tests.computed.test_native_forward import forward_path, steps
 from tests.models import TinyModels
 
 CPU = torch.device("cpu")
@@ -35,9 +35,7 @@ def last_rows(spans: list[SpanInput]) -> list[int]:
 def run(loaded, native: bool, read: bool) -> tuple[list[torch.Tensor], KVPool]:
     """Every step of `steps`, reading each span's last row: its logits per step, the pool."""
     model, c = loaded.model, loaded.config
-    saved = model.native
-    model.native = saved if native else None
-    try:
+    with forward_path(model, native):
         pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, CPU)
         logits = []
         for spans, ids in steps(c.vocab_size):
@@ -50,8 +48,6 @@ def run(loaded, native: bool, read: bool) -> tuple[list[torch.Tensor], KVPool]:
                 hidden = model(torch.tensor(ids), batch, pool).index_select(0, torch.tensor(rows))
             logits.append(model.compute_logits(hidden))
         return logits, pool
-    finally:
-        model.native = saved
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "modules"])
@@ -79,9 +75,7 @@ def test_a_step_reading_no_row_still_writes_every_kv(loaded, native: bool) -> No
     """A prefill chunk that ends before its prompt does samples nothing: no row is read,
     and the next chunk still finds all of this one's K/V, the last layer's included."""
     model, c = loaded.model, loaded.config
-    saved = model.native
-    model.native = saved if native else None
-    try:
+    with forward_path(model, native):
         ids = torch.arange(3, 13) % c.vocab_size
         spans = [SpanInput([0, 1, 2], 0, 10)]
         pools = []
@@ -92,8 +86,6 @@ def test_a_step_reading_no_row_still_writes_every_kv(loaded, native: bool) -> No
             pools.append(pool.kv)
         assert torch.equal(pools[0], pools[1])
         assert pools[0].abs().sum() > 0
-    finally:
-        model.native = saved
 
 
 def test_output_rows_span_each_read_row_alone() -> None:
