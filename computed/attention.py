@@ -37,8 +37,11 @@ one K/V head folded into its rows; against torch's fused CPU flash kernel on gat
 head-repeated K/V (`python -m bench.attention_kernels`, flash block): causal 4 x 1,088
 81 -> 51 ms, 64 decode rows x 1,024 shared keys 2.2 -> 1.6 ms, 16 items x 64 rows x
 1,024 keys 33 -> 27 ms. Where it does not build, torch's flash kernel runs those tiles
-(it beat a batched matmul by 1.6-2.4x and one SDPA call per sequence by 2x). Other
-devices and dtypes use the float32 matmul path.
+(it beat a batched matmul by 1.6-2.4x and one SDPA call per sequence by 2x). On CUDA
+every tile runs `computed.triton_attention`'s kernel, which has the native flash op's
+contract (`python -m bench.gpu_attention`, H100, one layer of Qwen3-0.6B's heads in
+bfloat16: 256 decode rows x 1,024 keys 9.9 -> 0.51 ms against the matmul path). Other
+devices and dtypes, and CUDA without Triton, use the float32 matmul path.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from computed import kernels
+from computed import kernels, triton_attention
 from computed.attention_plan import AttentionPlan, Segment, TilePlan, plan_attention
 from computed.kv_pool import KVPool
 
@@ -354,10 +357,10 @@ def _attend_tile(
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     items, width_q, width_k = tile.num_items, tile.num_queries, tile.num_keys
+    pool_keys = keys.view(-1, num_kv_heads, head_dim)  # (N * B, Hkv, D)
+    pool_values = values.view(-1, num_kv_heads, head_dim)
     if q.device.type == "cpu" and q.dtype == torch.float32:
-        pool_keys = keys.view(-1, num_kv_heads, head_dim)  # (N * B, Hkv, D)
-        pool_values = values.view(-1, num_kv_heads, head_dim)
-        decode, flash = kernels.paged_decode(), kernels.paged_flash()
+        decode = kernels.paged_decode()
         if width_q == 1 and not tile.causal and decode is not None:
             # One query per item: read K/V from the pool, no gather.
             return decode(
@@ -368,25 +371,30 @@ def _attend_tile(
                 tile.key_lens,
                 scale,
             )
-        if flash is not None and head_dim % 8 == 0 and group <= 64:
-            # Several queries per item (prefill chunks, shared segments); the op takes head
-            # sizes that are a multiple of 8 and at most 64 query heads per K/V head.
-            o, lse = flash(
-                (
-                    q.reshape(items, width_q, num_heads, head_dim)
-                    if tile.in_order
-                    # index_select, not q[rows]: ~5 against ~14 us a call (advanced indexing)
-                    else q.index_select(0, tile.query_rows.view(-1)).view(items, width_q, num_heads, head_dim)
-                ).contiguous(),
-                # (I, Qm, H, D)
-                pool_keys,
-                pool_values,
-                tile.key_slots.view(items, width_k),
-                tile.key_lens,
-                tile.causal,
-                scale,
-            )  # (I, Qm, H, D), (I, Qm, H)
-            return o.view(items * width_q, num_heads, head_dim), lse.view(items * width_q, num_heads)
+        # Several queries per item (prefill chunks, shared segments); the op takes head
+        # sizes that are a multiple of 8 and at most 64 query heads per K/V head.
+        flash = kernels.paged_flash() if head_dim % 8 == 0 and group <= 64 else None
+    elif q.device.type == "cuda" and triton_attention.supports(head_dim, group):
+        flash = triton_attention.paged_flash()  # every tile, decode rows included
+    else:
+        flash = None
+    if flash is not None:
+        o, lse = flash(
+            (
+                q.reshape(items, width_q, num_heads, head_dim)
+                if tile.in_order
+                # index_select, not q[rows]: ~5 against ~14 us a call (advanced indexing)
+                else q.index_select(0, tile.query_rows.view(-1)).view(items, width_q, num_heads, head_dim)
+            ).contiguous(),
+            # (I, Qm, H, D)
+            pool_keys,
+            pool_values,
+            tile.key_slots.view(items, width_k),
+            tile.key_lens,
+            tile.causal,
+            scale,
+        )  # (I, Qm, H, D), (I, Qm, H)
+        return o.view(items * width_q, num_heads, head_dim), lse.view(items * width_q, num_heads)
     qt = q[tile.query_rows]  # (I, Qm, H, D)
     kt = keys.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)  # (I, Lm, Hkv, D)
     vt = values.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from computed import kernels
+from computed import kernels, triton_attention
 from computed.compute_thread import ComputeThread
 from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec
@@ -236,6 +236,8 @@ def _build_compute(config: ComputedConfig, device: torch.device, dtype: torch.dt
     if config.shared_tier is not None:
         shared = SharedKV(pool, SharedStore(config.shared_tier, config.shared_tier_timeout_seconds))
     runner = ModelRunner(loaded.model, pool, config.block_size, device, host, shared)
+    if device.type == "cuda":  # compile the attention kernel now, not under the first requests
+        triton_attention.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, device)
     load_seconds = prefill_seconds = 0.0
     if host is not None or shared is not None:
         prefill_seconds = runner.measure_prefill_seconds_per_token()
