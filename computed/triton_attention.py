@@ -20,16 +20,17 @@ kernel does. Scores and the running softmax stay in float32 (base 2); float32 in
 multiplied in IEEE float32, not tf32, so a float32 model keeps float32 attention. Rows
 past an item's real queries get finite values (they see key 0) and callers drop them.
 
-Triton is optional: `paged_flash()` is None where it cannot be imported or the head size
-is not a power of two from 16 to 256 (or `COMPUTED_TRITON=0`), and `computed.attention` keeps its float32 matmul
-path there. `python -m bench.gpu_attention` times it against that path on a CUDA device;
+Triton is optional: `paged_flash()` is None where it cannot be imported (or with
+`COMPUTED_TRITON=0`), `supports()` is False where the head size is not a power of two
+from 16 to 256, and `computed.attention` keeps its float32 matmul path there. `python -m bench.gpu_attention` times it against that path on a CUDA device;
 on an H100 (torch 2.11, Triton 3.6; one layer, Qwen3-0.6B's 16/8 heads of 128, bfloat16,
-block size 16, ms per `paged_attention` call, Triton against matmul):
-    256 decode rows x 1,024 context                      0.51 against  9.9 (2.1 TB/s of K/V)
-    256 decode rows x 2,048 context                      0.90 against 20.2 (2.4 TB/s)
-    256 decode rows over a shared 1,024 prefix + 64      0.41 against  1.16
-    16 causal chunks x 1,024 new tokens                  0.59 against 10.4 (about 116 TFLOP/s)
-    64 chunks x 64 new after a shared 1,024 prefix       0.58 against  3.06
+block size 16, ms per `paged_attention` call, Triton against matmul; two runs on two
+machines of that kind, which differed by up to 2.8x on the shared-prefix shape):
+    256 decode rows x 1,024 context                      0.51-0.62 against  9.9-10.2
+    256 decode rows x 2,048 context                      0.90-1.00 against 20.2-20.5
+    256 decode rows over a shared 1,024 prefix + 64      0.41-1.15 against  1.16-1.72
+    16 causal chunks x 1,024 new tokens                  0.59-0.71 against 10.4-10.6
+    64 chunks x 64 new after a shared 1,024 prefix       0.58-0.81 against  3.06-3.22
 """
 
 from __future__ import annotations
@@ -121,18 +122,20 @@ def _paged_flash(
 def warm_up(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Compile the kernel's four variants (causal or not, decode-sized or full row blocks)
-    for this model's heads before serving, so no request waits on a compile."""
+    """Compile the kernel's variants for this model's heads before serving, so no request
+    waits on a compile: causal or not, decode-sized or full row blocks, and each length
+    case Triton specializes on (1, a multiple of 16, any other)."""
     op = paged_flash()
     if op is None or not supports(head_dim, num_heads // num_kv_heads):
         return
     keys = torch.zeros(BLOCK_KEYS, num_kv_heads, head_dim, dtype=dtype, device=device)
-    slots = torch.arange(BLOCK_KEYS, device=device)[None, :]
-    lens = torch.tensor([BLOCK_KEYS], device=device)
-    for width_q in (1, BLOCK_ROWS):
+    for width_q in (1, 16, 17, BLOCK_ROWS, BLOCK_ROWS + 1):
         q = torch.zeros(1, width_q, num_heads, head_dim, dtype=dtype, device=device)
-        for causal in (False, True):
-            op(q, keys, keys, slots, lens, causal, 1.0)
+        for width_k in (1, 16, 17):
+            slots = torch.arange(width_k, device=device)[None, :]
+            lens = torch.tensor([width_k], device=device)
+            for causal in (False, True):
+                op(q, keys, keys, slots, lens, causal, 1.0)
 
 
 @functools.cache
@@ -141,9 +144,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    # Lengths are not specialized on (Triton compiles a variant per length that is 1 or a
-    # multiple of 16 otherwise): a step's tiles would each compile one while serving.
-    @triton.jit(do_not_specialize=["width_q", "width_k"])
+    # Triton compiles a variant per length case (1, a multiple of 16, other): `warm_up`
+    # compiles them all at start (15 s on an H100 the first time; Triton keeps them on disk).
+    @triton.jit
     def paged_flash_kernel(
         Q,  # (I, Qm, H, D)
         K,  # (S, Hkv, D)
