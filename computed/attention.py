@@ -40,8 +40,8 @@ head-repeated K/V (`python -m bench.attention_kernels`, flash block): causal 4 x
 (it beat a batched matmul by 1.6-2.4x and one SDPA call per sequence by 2x). On CUDA
 every tile runs `computed.triton_attention`'s kernel, which has the native flash op's
 contract (`python -m bench.gpu_attention`, H100, one layer of Qwen3-0.6B's heads in
-bfloat16: 256 decode rows x 1,024 keys 9.9-10.2 -> 0.51-0.62 ms against the matmul path). Other
-devices and dtypes, and CUDA without Triton, use the float32 matmul path.
+bfloat16: 256 decode rows x 1,024 keys 9.9-10.2 -> 0.51-0.62 ms against the matmul
+path). Other devices and dtypes, and CUDA without Triton, use the float32 matmul path.
 """
 
 from __future__ import annotations
