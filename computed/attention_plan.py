@@ -84,6 +84,8 @@ class AttentionPlan:
     # are rows merge_index[r] of the tiles' whole results (I * Qm rows each, padding
     # included) concatenated in tile order, R (their total) marking "no partial".
     merge_index: np.ndarray | None
+    # The last `num_decode_tiles` tiles are the decode rows' private contexts.
+    num_decode_tiles: int = 0
 
     @property
     def needs_merge(self) -> bool:
@@ -176,10 +178,60 @@ def plan_attention(
         items.append(
             _Item(rows, _slots(tables[i], int(firsts[i]), int(contexts[i]), block_size), causal=True)
         )
-    tiles = _tile(items) + _decode_tiles(
-        np.flatnonzero(decode), starts, contexts, covered, tables, block_size
+    decode_tiles = _decode_tiles(np.flatnonzero(decode), starts, contexts, covered, tables, block_size)
+    tiles = _tile(items) + decode_tiles
+    return AttentionPlan(tiles, tuple(segments), _merge_index(tiles, int(lens.sum())), len(decode_tiles))
+
+
+def advance_decode(
+    plan: AttentionPlan, context_lens: Sequence[int], tables: np.ndarray, block_size: int
+) -> AttentionPlan | None:
+    """The plan of the next decode step, from this one's, or None where only a fresh
+    `plan_attention` can say. Precondition: every span of `plan` is one decode row
+    (query row i of span i), each context one token longer now (`context_lens`), and
+    `tables` the same block ids with a span's next block filled in where it needs one.
+
+    Equal to `plan_attention(range(S), [1] * S, context_lens, tables, block_size,
+    min_reads)` for the `min_reads` that made `plan`: a segment is a run of blocks held at
+    the same depth by several rows before their queries, and a block that has just moved
+    before a row's query holds its own latest tokens (written by it alone), so the
+    segments stay the same unless that block's id also sits at the same depth of another
+    row before its query (checked here: None). With the same segments, the segment tiles,
+    which hold no decode row's own keys, stay as they are (and so do their partials'
+    places); the private-context tiles are built again, longer by a key each. Why: a
+    decode burst's steps re-planned 64 rows over a shared prefix in ~0.4 ms each, about
+    5% of the step (`bench.peer`'s shared workload)."""
+    contexts = np.asarray(context_lens, dtype=np.int64)
+    num_spans = len(contexts)
+    if (
+        plan.num_decode_tiles == 0
+        or sum(len(t.valid_rows) for t in plan.tiles[-plan.num_decode_tiles :]) != num_spans
+    ):
+        return None  # not every span was a decode row
+    shareable = (contexts - 1) // block_size  # whole blocks before each row's query
+    grown = np.flatnonzero(shareable > (contexts - 2) // block_size)
+    if len(grown):
+        depth = shareable[grown] - 1  # the block each grown row has just moved past
+        moved = tables[grown, depth]
+        for row, d, block in zip(grown.tolist(), depth.tolist(), moved.tolist()):
+            others = (tables[:, d] == block) & (shareable > d)
+            others[row] = False
+            if others.any():
+                return None  # a new shared block: a fresh plan finds its segment
+    covered = np.zeros(num_spans, dtype=np.int64)
+    for seg in plan.segments:
+        members = np.asarray(seg.span_indices)
+        covered[members] = np.maximum(covered[members], seg.first_block + seg.num_blocks)
+    fixed = plan.tiles[: len(plan.tiles) - plan.num_decode_tiles]
+    spans = np.arange(num_spans, dtype=np.int64)
+    decode_tiles = _decode_tiles(spans, spans, contexts, covered, tables, block_size)
+    tiles = fixed + decode_tiles
+    old = plan.tiles[len(fixed) :]
+    same_places = len(old) == len(decode_tiles) and all(
+        np.array_equal(a.valid_rows, b.valid_rows) for a, b in zip(old, decode_tiles)
     )
-    return AttentionPlan(tiles, tuple(segments), _merge_index(tiles, int(lens.sum())))
+    merge = plan.merge_index if same_places else _merge_index(tiles, num_spans)
+    return AttentionPlan(tiles, plan.segments, merge, len(decode_tiles))
 
 
 def _worth_cascading(

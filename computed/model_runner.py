@@ -144,9 +144,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inp: ForwardInput) -> list[int | None]:
         """Returns, per chunk, the sampled token or None (a prefill chunk that ends early)."""
+        batch = AttentionBatch.build(inp.spans, self.block_size, self.device, self._min_decode_segment_reads)
+        return self._run(inp, batch)
+
+    def _run(self, inp: ForwardInput, batch: AttentionBatch) -> list[int | None]:
         input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)  # (T,)
         min_reads = self._min_decode_segment_reads
-        batch = AttentionBatch.build(inp.spans, self.block_size, self.device, min_reads)
         out: list[int | None] = [None] * inp.num_chunks
         if len(inp.sample_rows) == len(inp.token_ids):  # every row read (a decode step)
             hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
@@ -181,14 +184,17 @@ class ModelRunner:
         trace of `make bench-peer`'s chat and shared workloads); a burst pays it once."""
         assert steps >= 1 and len(stop_ids) == inp.num_chunks
         results: list[list[int | None]] = []
+        min_reads = self._min_decode_segment_reads
+        batch = AttentionBatch.build(inp.spans, self.block_size, self.device, min_reads)
         while True:
-            sampled = self.run(inp)
+            sampled = self._run(inp, batch)
             results.append(sampled)
             if len(results) == steps or interrupt.is_set():
                 return results
             if any(token in stops for token, stops in zip(sampled, stop_ids)):
                 return results
             inp = inp.next_decode(sampled)
+            batch = batch.next_decode(inp.spans, min_reads)
 
     def _generator(self, sequence_id: SequenceId, params: SamplingParams) -> torch.Generator | None:
         if params.is_greedy:

@@ -151,12 +151,16 @@ class Scheduler:
         """Running sequences whose table cannot hold one token more than they have. This
         step writes at most up to the newest token (a fully cached prompt writes nothing):
         short of that the grow is urgent; the slot after it lets the next decode run
-        without waiting on blockd. With `decode_steps` > 1 the table is grown that many
-        slots ahead (never past the last slot the sequence can write, its prompt plus
-        max_tokens less one), so decode steps can run back to back."""
+        without waiting on blockd. With `decode_steps` > 1 the table is grown two bursts
+        ahead, 2 * decode_steps - 1 slots past the newest token (never past the last slot
+        the sequence can write, its prompt plus max_tokens less one): a grow asked now
+        lands after this step's forward, so it must already cover the next burst. Grown
+        one burst ahead, any sequence nearing the end of a block cut the whole batch's
+        burst short (bursts of 8, 6, 8, 8, 1, 8, 7, 2, ... in `bench.peer`'s shared
+        workload, where rows cross block boundaries at three different steps)."""
         grows = []
         limit = min(self.config.max_model_len, self.config.num_blocks * self.config.block_size)
-        ahead = self.config.decode_steps
+        ahead = 2 * self.config.decode_steps - 1
         for seq in self.running:
             needed_now, capacity = len(seq.token_ids), len(seq.block_table) * seq.block_size
             wanted = needed_now + 1

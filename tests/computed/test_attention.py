@@ -210,3 +210,67 @@ def test_a_full_hit_reads_its_last_position_from_the_pool() -> None:
     v = torch.cat([pool.value(0)[5], pool.value(0)[2]])
     expected = _dense(q, [k], [v], 4, 2, 8, [7], [8])
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def _same_batch(a: AttentionBatch, b: AttentionBatch) -> None:
+    """Every field a forward reads, equal (tiles by their tensors)."""
+    for name in ("positions", "write_slots", "write_token_index", "last_token_index"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("query_starts", "query_lens", "context_lens", "tables"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.max_position == b.max_position
+    assert a.shared_prefixes == b.shared_prefixes
+    assert (a.merge_index is None) == (b.merge_index is None)
+    if a.merge_index is not None:
+        assert torch.equal(a.merge_index, b.merge_index)
+    assert len(a.tiles) == len(b.tiles)
+    for x, y in zip(a.tiles, b.tiles):
+        for name in ("query_rows", "key_slots", "key_lens", "valid", "valid_rows"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+        assert (x.causal, x.num_items, x.num_queries, x.num_keys, x.in_order) == (
+            y.causal,
+            y.num_items,
+            y.num_queries,
+            y.num_keys,
+            y.in_order,
+        )
+
+
+@pytest.mark.parametrize("min_decode_segment_reads", [0, 40, 16 * 1024])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_burst_step_is_the_batch_a_fresh_build_makes(seed: int, min_decode_segment_reads: int) -> None:
+    """`next_decode` over 20 decode steps of rows behind nested shared prefixes, each
+    entering new blocks at its own time: field for field what `build` makes."""
+    rng = random.Random(seed)
+    block = 4
+    spans, _, _, _ = _random_step(rng, block, rng.randint(1, 12))
+    spans = [SpanInput(s.block_table, s.num_computed_tokens + s.num_new_tokens - 1, 1) for s in spans]
+    fresh_blocks = iter(range(1000, 2000))
+    batch = AttentionBatch.build(spans, block, CPU, min_decode_segment_reads)
+    for _ in range(20):
+        grown = []
+        for s in spans:
+            table = list(s.block_table)
+            if len(table) * block < s.num_computed_tokens + 2:
+                table.append(next(fresh_blocks))
+            grown.append(SpanInput(table, s.num_computed_tokens + 1, 1))
+        spans = grown
+        batch = batch.next_decode(spans, min_decode_segment_reads)
+        _same_batch(batch, AttentionBatch.build(spans, block, CPU, min_decode_segment_reads))
+
+
+def test_a_burst_step_plans_afresh_where_a_block_becomes_shared() -> None:
+    """Row 0 fills block 7, which row 1 already holds at the same depth (no decode step
+    does that, but the plan must not assume it): the next step has a longer segment."""
+    spans = [SpanInput([1, 2, 7, 8], 11, 1), SpanInput([1, 2, 7, 9], 12, 1)]
+    batch = AttentionBatch.build(spans, 4, CPU)
+    later = [SpanInput([1, 2, 7, 8], 12, 1), SpanInput([1, 2, 7, 9], 13, 1)]
+    assert [s.block_ids for s in batch.shared_prefixes] == [(1, 2)]
+    assert [s.block_ids for s in batch.next_decode(later).shared_prefixes] == [(1, 2, 7)]
+    _same_batch(batch.next_decode(later), AttentionBatch.build(later, 4, CPU))
+
+
+def test_a_burst_step_checks_its_tables() -> None:
+    batch = AttentionBatch.build([SpanInput([1], 3, 1)], 4, CPU)
+    with pytest.raises(ValueError, match="cannot hold"):
+        batch.next_decode([SpanInput([1], 4, 1)])
