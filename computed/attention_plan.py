@@ -160,7 +160,7 @@ def plan_attention(
         segments = _worth_cascading(
             find_segments(tables, shareable), lens, block_size, min_decode_segment_reads
         )
-    covered = np.zeros(len(starts), dtype=np.int64)  # blocks of each span read through segments
+    covered = _covered(segments, len(starts))
     offsets = np.arange(block_size, dtype=np.int64)
     items: list[_Item] = []
     for seg in segments:
@@ -168,7 +168,6 @@ def plan_attention(
         rows = _rows(starts[members], lens[members])
         slots = (np.asarray(seg.block_ids, dtype=np.int64)[:, None] * block_size + offsets).ravel()
         items.append(_Item(rows, slots, causal=False))
-        covered[members] = np.maximum(covered[members], seg.first_block + seg.num_blocks)
     decode = lens == 1
     for i in np.flatnonzero(~decode):  # several new tokens: the cached part whole, the new ones causally
         rows = np.arange(starts[i], starts[i] + lens[i])
@@ -218,10 +217,7 @@ def advance_decode(
             others[row] = False
             if others.any():
                 return None  # a new shared block: a fresh plan finds its segment
-    covered = np.zeros(num_spans, dtype=np.int64)
-    for seg in plan.segments:
-        members = np.asarray(seg.span_indices)
-        covered[members] = np.maximum(covered[members], seg.first_block + seg.num_blocks)
+    covered = _covered(plan.segments, num_spans)
     fixed = plan.tiles[: len(plan.tiles) - plan.num_decode_tiles]
     spans = np.arange(num_spans, dtype=np.int64)
     decode_tiles = _decode_tiles(spans, spans, contexts, covered, tables, block_size)
@@ -232,6 +228,15 @@ def advance_decode(
     )
     merge = plan.merge_index if same_places else _merge_index(tiles, num_spans)
     return AttentionPlan(tiles, plan.segments, merge, len(decode_tiles))
+
+
+def _covered(segments: Sequence[Segment], num_spans: int) -> np.ndarray:
+    """(S,) int64: the leading blocks of each span read through its segments."""
+    covered = np.zeros(num_spans, dtype=np.int64)
+    for seg in segments:
+        members = np.asarray(seg.span_indices)
+        covered[members] = np.maximum(covered[members], seg.first_block + seg.num_blocks)
+    return covered
 
 
 def _worth_cascading(
