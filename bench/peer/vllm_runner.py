@@ -2,9 +2,10 @@
 
     .venv-vllm/bin/python bench/peer/vllm_runner.py REQUEST.json RESULT.json
 
-REQUEST: {"model": dir, "block_size": 32, "max_num_seqs": N, "max_model_len": L,
-"kv_cache_gib": G, "repeats": r, "workloads": [{"name": str, "system": [ids],
-"conversations": [[[turn ids], ...], ...], "max_tokens": n}]}. Round k sends turn k of
+REQUEST: {"model": dir, "dtype": "float32" | "bfloat16" | "auto" (the checkpoint's),
+"block_size": 32, "max_num_seqs": N, "max_model_len": L, "kv_cache_gib": G, "repeats": r,
+"workloads": [{"name": str, "system": [ids], "conversations": [[[turn ids], ...], ...],
+"max_tokens": n}]}. Round k sends turn k of
 every conversation at once as one offline `LLM.generate` (prefix caching on, greedy,
 `ignore_eos`); its prompt is the system tokens, then every earlier turn followed by the
 output vLLM itself generated for it, then turn k (a chat re-sending its whole history).
@@ -33,7 +34,7 @@ def main() -> None:
         max_num_seqs=request["max_num_seqs"],
         max_model_len=request["max_model_len"],
         seed=0,
-        dtype="float32",
+        dtype=request.get("dtype", "float32"),
     )
     warm = [TokensPrompt(prompt_token_ids=[7 + i for i in range(64)])] * 2
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
