@@ -18,8 +18,8 @@ generated for it + turn k):
 
 vLLM on CPU needs a KV block size that is a multiple of 32: it gets 32, ours keeps its
 default 16. vLLM runs tuned as its CPU guide says (every core bound, no reserved core,
-tcmalloc + Intel OpenMP preloaded when present; it beat vLLM as installed in every earlier
-recorded run), in two setups: float32, and bfloat16 (the checkpoint's dtype, vLLM's
+tcmalloc + Intel OpenMP preloaded when present; it beat vLLM as installed on every workload
+in the 11 runs BENCHMARKS.md recorded before bfloat16 was added), in two setups: float32, and bfloat16 (the checkpoint's dtype, vLLM's
 default). The headline ratio is against vLLM's best: each workload keeps whichever run was
 fastest, whatever its dtype (a baseline must be the best its library does, and on this
 machine that is often bfloat16, where ours computes in float32). Beside it stands the
@@ -192,7 +192,7 @@ class VllmSetup:
 
     name: str
     env: dict[str, str]
-    dtype: str  # vLLM's `dtype` argument: "auto" is the checkpoint's (bfloat16 here)
+    dtype: str  # vLLM's `dtype` argument ("auto" would be the checkpoint's: bfloat16 here)
 
 
 @dataclass
