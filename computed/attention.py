@@ -355,9 +355,13 @@ class AttentionBatch:
 DECODE_SEGMENT_MIN_READS = 16 * 1024
 
 
+# The pool dtypes the native CPU attention kernels read (bfloat16 widened on load, exactly).
+NATIVE_POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def decode_segment_min_reads(device: torch.device, dtype: torch.dtype) -> int:
     """What to pass `AttentionBatch.build` for a model running in `dtype` on `device`."""
-    native = device.type == "cpu" and dtype == torch.float32 and kernels.paged_decode() is not None
+    native = device.type == "cpu" and dtype in NATIVE_POOL_DTYPES and kernels.paged_decode() is not None
     return DECODE_SEGMENT_MIN_READS if native else 0
 
 
@@ -425,7 +429,7 @@ def _attend_tile(
     items, width_q, width_k = tile.num_items, tile.num_queries, tile.num_keys
     pool_keys = keys.view(-1, num_kv_heads, head_dim)  # (N * B, Hkv, D)
     pool_values = values.view(-1, num_kv_heads, head_dim)
-    if q.device.type == "cpu" and q.dtype == torch.float32:
+    if q.device.type == "cpu" and q.dtype == torch.float32 and keys.dtype in NATIVE_POOL_DTYPES:
         decode = kernels.paged_decode()
         if width_q == 1 and not tile.causal and decode is not None:
             # One query per item: read K/V from the pool, no gather.
@@ -464,7 +468,7 @@ def _attend_tile(
     qt = q[tile.query_rows]  # (I, Qm, H, D)
     kt = keys.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)  # (I, Lm, Hkv, D)
     vt = values.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)
-    if _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+    if _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == kt.dtype == torch.float32:
         if tile.causal:
             # Causal rows need their own positions: repeat K/V per query head instead.
             kh = kt.transpose(1, 2).repeat_interleave(group, dim=1)  # (I, H, Lm, D)
@@ -539,7 +543,11 @@ def _write(
         k_new = k_new.index_select(0, batch.write_token_index)
         v_new = v_new.index_select(0, batch.write_token_index)
     _, _, num_kv_heads, head_dim = key_cache.shape
-    if key_cache.device.type == "cpu" and key_cache.dtype == k_new.dtype == v_new.dtype == torch.float32:
+    if (
+        key_cache.device.type == "cpu"
+        and key_cache.dtype in NATIVE_POOL_DTYPES
+        and k_new.dtype == v_new.dtype == torch.float32
+    ):
         op = kernels.write_kv()
         if op is not None:  # one call, v read where it lies (see kv_write.cpp)
             op(

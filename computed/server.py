@@ -26,7 +26,7 @@ from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
 from computed.logs import configure_logging
 from computed.metrics import Histograms, serve_metrics
-from computed.model.loader import LoadedModel, load_model
+from computed.model.loader import LoadedModel, load_model, native_bfloat16
 from computed.model.tokenizer import Tokenizer
 from computed.model_runner import ModelRunner
 from computed.scheduler import Scheduler, SchedulerConfig
@@ -227,7 +227,12 @@ async def serve(config: ComputedConfig) -> int:
 def _build_compute(config: ComputedConfig, device: torch.device, dtype: torch.dtype) -> _Compute:
     """Model, pools and runner, and the costs blockd weighs (measured before registering:
     no block is held yet). Runs on the compute thread."""
-    loaded = load_model(config.model, device, dtype)
+    if dtype == torch.bfloat16 and native_bfloat16(device):
+        # bfloat16 K/V and products, float32 sums (load_model says how): twice float32's
+        # products a cycle on this kind of CPU, half its K/V bytes.
+        loaded = load_model(config.model, device, torch.float32, products=torch.bfloat16)
+    else:
+        loaded = load_model(config.model, device, dtype)
     mc = loaded.config
     num_blocks = config.num_blocks or _size_pool(config, mc, dtype, device)
     pool = KVPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)

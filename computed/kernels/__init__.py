@@ -2,7 +2,7 @@
 
 Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
 (paged_decode.cpp), `paged_flash()` (paged_flash.cpp), `pack_linear_weight()`,
-`pack_linear_weight_bf16()` and `packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
+`pack_linear_weight_bf16()`, `pack_linear_weight_bf16_dot()` and `packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
 `add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
 (silu_mul.cpp), `argmax_rows()` (argmax.cpp) and `write_kv()` (kv_write.cpp); or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
@@ -72,6 +72,14 @@ def pack_linear_weight_bf16() -> Callable | None:
     (`pack_linear_weight_bf16(weight) -> packed`, refused otherwise; `packed_linear` gives
     bit for bit what it gives from `pack_linear_weight`), or None as `paged_decode()`."""
     return torch.ops.kvcache.pack_linear_weight_bf16 if _loaded()[0] else None
+
+
+def pack_linear_weight_bf16_dot() -> Callable | None:
+    """The packing for products in bfloat16 (`pack_linear_weight_bf16_dot(weight) -> packed`,
+    a bfloat16 weight in pairs: `packed_linear` then rounds x to bfloat16 and sums the
+    products in float32, by AVX512_BF16's dot instruction where the machine has it), or None
+    as `paged_decode()`."""
+    return torch.ops.kvcache.pack_linear_weight_bf16_dot if _loaded()[0] else None
 
 
 def packed_linear() -> Callable | None:

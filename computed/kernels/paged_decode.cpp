@@ -8,11 +8,14 @@
 // products of 8 heads are summed across lanes together and the softmax runs 8 heads at a
 // time down the keys, with no horizontal sum per score. Measured with
 // `python -m bench.attention_kernels` and `python -m bench --only peer` (BENCHMARKS.md).
+// A bfloat16 pool is read as it lies, half the bytes of float32, each value widened to
+// float32 as it is loaded (exact: a bfloat16 is the top half of a float32): the result is
+// bit for bit the float32 pool `keys.float()`, `values.float()`'s.
 //
 // kvcache::paged_decode(q, keys, values, key_slots, key_lens, scale) -> (out, lse)
 //   q         (I, H, D)       float32, the query row of each item
-//   keys      (S, Hkv, D)     float32, one row per pool slot (a layer's key cache viewed flat)
-//   values    (S, Hkv, D)     float32
+//   keys      (S, Hkv, D)     float32 or bfloat16, one row per pool slot (a layer's key cache viewed flat)
+//   values    (S, Hkv, D)     the same dtype as keys
 //   key_slots (I, Lm)         int64, the pool slots item i reads, in order
 //   key_lens  (I,)            int64, item i reads key_slots[i, :key_lens[i]] (>= 1)
 //   out       (I, H, D)       float32, softmax(q k^T * scale) v per query head
@@ -52,14 +55,38 @@ constexpr int64_t kAhead = 16;
 // pass's last kFar keys ask for the value pass's first rows.
 constexpr int64_t kFar = 48;
 
-// Prefetch one pool row (row floats, one K/V head after another) into cache.
-inline void prefetch_row(const float* p, int64_t row) {
-  for (int64_t b = 0; b < row; b += 16) __builtin_prefetch(p + b, 0, 0);
+// kFar for a pool of T (float, or uint16_t bfloat16 bits). A bfloat16 row is half the
+// bytes, so its L2 hints go twice as many keys ahead, the same bytes in flight as float32's
+// (64 x 1,100 keys, 2 threads, cold pool, A/B in one process: bfloat16 48 -> 96 keys ahead
+// 1.53 -> 1.31-1.41 ms, 128 alike; kAhead 32 rather than 16 measured alike, so it stays).
+template <class T>
+constexpr int64_t kFarOf = kFar * int64_t(sizeof(float) / sizeof(T));
+
+// Prefetch one pool row (row values of T, float or bfloat16 bits, one K/V head after
+// another) into cache: one hint per 64-byte line.
+template <class T>
+inline void prefetch_row(const T* p, int64_t row) {
+  constexpr int64_t line = 64 / int64_t(sizeof(T));
+  for (int64_t b = 0; b < row; b += line) __builtin_prefetch(p + b, 0, 0);
 }
 
 // Prefetch one pool row into L2 (and L3), not L1.
-inline void prefetch_row_far(const float* p, int64_t row) {
-  for (int64_t b = 0; b < row; b += 16) __builtin_prefetch(p + b, 0, 1);
+template <class T>
+inline void prefetch_row_far(const T* p, int64_t row) {
+  constexpr int64_t line = 64 / int64_t(sizeof(T));
+  for (int64_t b = 0; b < row; b += line) __builtin_prefetch(p + b, 0, 1);
+}
+
+// a * b + c, fused where the target has FMA: what GCC made of the scalar tails below on
+// such targets (it contracts them; float32 results bit for bit unchanged at head sizes 1 to
+// 49), written out so that their rounding cannot differ between the float32 and bfloat16
+// instantiations (it did: GCC contracted one and not the other, 1 ulp apart at head size 20).
+inline float mul_add(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
 
 // Sum of each of 8 vectors, as one vector: lane t = sum of p[t]'s lanes.
@@ -132,14 +159,16 @@ inline void softmax_columns(float* sc, int64_t len, int64_t hp, float* maxes, fl
 // scale * log2 e): one vector holds 8 heads' scores of a key, so the softmax runs 8 heads
 // at a time down the keys with a vectorised 2^x (a scalar exp per score cost as much as
 // reading the keys). Sums run in a fixed order: float32 rounding, batch-independent.
-// DIM > 0 is the head size known at compile time (unrolled, vectorised); 0: `dim`.
-template <int DIM>
-void attend_item(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t len,
+// DIM > 0 is the head size known at compile time (unrolled, vectorised); 0: `dim`. T is the
+// pool's storage (float, or uint16_t for bfloat16 bits), widened on load.
+template <int DIM, class T>
+void attend_item(const float* q, const T* kp, const T* vp, const int64_t* slots, int64_t len,
                  int64_t heads, int64_t kv_heads, int64_t dim_arg, float scale, float* out, float* lse,
                  std::vector<float>& scores, std::vector<float>& query, std::vector<float>& acc) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   const int64_t group = heads / kv_heads, row = kv_heads * dim;
   const int64_t hp = prepare_item(q, len, heads, dim, scale, scores, query);
+  constexpr int64_t ahead = kAhead, far = kFarOf<T>;
   acc.assign(heads * dim, 0.f);
   std::vector<int64_t> offsets(hp);
   head_offsets(heads, hp, group, dim, offsets.data());
@@ -147,23 +176,23 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   const float* __restrict qs = query.data();
   // Pass 1: scores, keys read once; 8 heads' dot products summed across lanes together.
   for (int64_t j = 0; j < len; ++j) {
-    const float* __restrict k = kp + slots[j] * row;
-    if (j + kAhead < len) prefetch_row(kp + slots[j + kAhead] * row, row);
+    const T* __restrict k = kp + slots[j] * row;
+    if (j + ahead < len) prefetch_row(kp + slots[j + ahead] * row, row);
     // Written out here: the same test in a helper function lost the gain (measured).
-    if (j + kFar < len)
-      prefetch_row_far(kp + slots[j + kFar] * row, row);
-    else if (j + kFar - len < len)
-      prefetch_row_far(vp + slots[j + kFar - len] * row, row);
+    if (j + far < len)
+      prefetch_row_far(kp + slots[j + far] * row, row);
+    else if (j + far - len < len)
+      prefetch_row_far(vp + slots[j + far - len] * row, row);
     for (int64_t h0 = 0; h0 < hp; h0 += 8) {
       v8 p[8];
       for (int t = 0; t < 8; ++t) {
-        const float* __restrict kh = k + offsets[h0 + t];  // lanes past the heads: ignored
+        const T* __restrict kh = k + offsets[h0 + t];  // lanes past the heads: ignored
         const float* __restrict qh = qs + (h0 + t) * dim;
         v8 s = {};
         int64_t d = 0;
-        for (; d + 8 <= dim; d += 8) s += load(qh + d) * load(kh + d);
+        for (; d + 8 <= dim; d += 8) s += load(qh + d) * load_kv(kh + d);
         float tail = 0.f;
-        for (; d < dim; ++d) tail += qh[d] * kh[d];
+        for (; d < dim; ++d) tail = mul_add(qh[d], kv_float(kh[d]), tail);
         s[0] += tail;
         p[t] = s;
       }
@@ -174,19 +203,19 @@ void attend_item(const float* q, const float* kp, const float* vp, const int64_t
   softmax_columns(sc, len, hp, maxes.data(), sums.data());
   // Pass 2: weighted values, values read once.
   float* __restrict ac = acc.data();
-  for (int64_t j = 0; j < std::min(kAhead, len); ++j) prefetch_row(vp + slots[j] * row, row);
+  for (int64_t j = 0; j < std::min(ahead, len); ++j) prefetch_row(vp + slots[j] * row, row);
   for (int64_t j = 0; j < len; ++j) {
-    const float* __restrict v = vp + slots[j] * row;
-    if (j + kAhead < len) prefetch_row(vp + slots[j + kAhead] * row, row);
-    if (j + kFar < len) prefetch_row_far(vp + slots[j + kFar] * row, row);
+    const T* __restrict v = vp + slots[j] * row;
+    if (j + ahead < len) prefetch_row(vp + slots[j + ahead] * row, row);
+    if (j + far < len) prefetch_row_far(vp + slots[j + far] * row, row);
     const float* __restrict w = sc + j * hp;
     for (int64_t head = 0; head < heads; ++head) {
-      const float* __restrict vh = v + offsets[head];
+      const T* __restrict vh = v + offsets[head];
       float* __restrict ah = ac + head * dim;
       const v8 wv = splat(w[head]);
       int64_t d = 0;
-      for (; d + 8 <= dim; d += 8) store(ah + d, load(ah + d) + wv * load(vh + d));
-      for (; d < dim; ++d) ah[d] += w[head] * vh[d];
+      for (; d + 8 <= dim; d += 8) store(ah + d, load(ah + d) + wv * load_kv(vh + d));
+      for (; d < dim; ++d) ah[d] = mul_add(w[head], kv_float(vh[d]), ah[d]);
     }
   }
   for (int64_t head = 0; head < heads; ++head) {
@@ -223,8 +252,8 @@ inline v8 transpose_sum16(const v16* p) {
 // of 3,000): 180 -> 155 us; in the default model's decode step, 8 rows x (512 shared +
 // 160) 114 -> 95 us a layer. Long contexts are bound by memory instead: 8 x (512 + 1,000)
 // stays at ~340 us a layer, ~35 GB/s, what this VM's DRAM streams to two threads.
-template <int DIM>
-void attend_item16(const float* q, const float* kp, const float* vp, const int64_t* slots, int64_t len,
+template <int DIM, class T>
+void attend_item16(const float* q, const T* kp, const T* vp, const int64_t* slots, int64_t len,
                    int64_t heads, int64_t kv_heads, float scale, float* out, float* lse,
                    std::vector<float>& scores, std::vector<float>& query) {
   static_assert(DIM % 16 == 0, "16-lane path");
@@ -232,6 +261,7 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
   constexpr int kChunk = kVecs >= 16 ? 1 : 16 / kVecs;  // heads whose sums fit 16 registers
   const int64_t group = heads / kv_heads, row = kv_heads * DIM;
   const int64_t hp = prepare_item(q, len, heads, DIM, scale, scores, query);
+  constexpr int64_t ahead = kAhead, far = kFarOf<T>;
   int64_t offsets[512 + 8];
   head_offsets(heads, hp, group, DIM, offsets);
   float maxes[512 + 8], sums[512 + 8];  // the score pass keeps each column's max
@@ -239,20 +269,20 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
   float* __restrict sc = scores.data();
   const float* __restrict qs = query.data();
   for (int64_t j = 0; j < len; ++j) {
-    const float* __restrict k = kp + slots[j] * row;
-    if (j + kAhead < len) prefetch_row(kp + slots[j + kAhead] * row, row);
+    const T* __restrict k = kp + slots[j] * row;
+    if (j + ahead < len) prefetch_row(kp + slots[j + ahead] * row, row);
     // Written out here: the same test in a helper function lost the gain (measured).
-    if (j + kFar < len)
-      prefetch_row_far(kp + slots[j + kFar] * row, row);
-    else if (j + kFar - len < len)
-      prefetch_row_far(vp + slots[j + kFar - len] * row, row);
+    if (j + far < len)
+      prefetch_row_far(kp + slots[j + far] * row, row);
+    else if (j + far - len < len)
+      prefetch_row_far(vp + slots[j + far - len] * row, row);
     for (int64_t h0 = 0; h0 < hp; h0 += 8) {
       v16 p[8];
       for (int t = 0; t < 8; ++t) {
-        const float* __restrict kh = k + offsets[h0 + t];
+        const T* __restrict kh = k + offsets[h0 + t];
         const float* __restrict qh = qs + (h0 + t) * DIM;
-        v16 s = load16(qh) * load16(kh);
-        for (int c = 1; c < kVecs; ++c) s += load16(qh + 16 * c) * load16(kh + 16 * c);
+        v16 s = load16(qh) * load16_kv(kh);
+        for (int c = 1; c < kVecs; ++c) s += load16(qh + 16 * c) * load16_kv(kh + 16 * c);
         p[t] = s;
       }
       const v8 x = transpose_sum16(p), m = load(maxes + h0);
@@ -263,20 +293,20 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
   exp_columns(sc, len, hp, maxes, sums);
   for (int64_t h0 = 0; h0 < heads; h0 += kChunk) {
     const int64_t nh = std::min<int64_t>(kChunk, heads - h0);
-    const int64_t lo = (h0 / group) * DIM, hi = ((h0 + nh - 1) / group + 1) * DIM;  // floats of a row read
+    const int64_t lo = (h0 / group) * DIM, hi = ((h0 + nh - 1) / group + 1) * DIM;  // values of a row read
     v16 acc[kChunk][kVecs];
     for (int t = 0; t < kChunk; ++t)
       for (int c = 0; c < kVecs; ++c) acc[t][c] = v16{};
-    for (int64_t j = 0; j < std::min(kAhead, len); ++j) prefetch_row(vp + slots[j] * row + lo, hi - lo);
+    for (int64_t j = 0; j < std::min(ahead, len); ++j) prefetch_row(vp + slots[j] * row + lo, hi - lo);
     for (int64_t j = 0; j < len; ++j) {
-      const float* __restrict v = vp + slots[j] * row;
-      if (j + kAhead < len) prefetch_row(vp + slots[j + kAhead] * row + lo, hi - lo);
-      if (j + kFar < len) prefetch_row_far(vp + slots[j + kFar] * row + lo, hi - lo);
+      const T* __restrict v = vp + slots[j] * row;
+      if (j + ahead < len) prefetch_row(vp + slots[j + ahead] * row + lo, hi - lo);
+      if (j + far < len) prefetch_row_far(vp + slots[j + far] * row + lo, hi - lo);
       const float* __restrict w = sc + j * hp + h0;
       for (int t = 0; t < kChunk; ++t) {  // all kChunk: sums past nh are dropped below
-        const float* __restrict vh = v + offsets[h0 + t];
+        const T* __restrict vh = v + offsets[h0 + t];
         const v16 wv = splat16(w[t]);
-        for (int c = 0; c < kVecs; ++c) acc[t][c] += wv * load16(vh + 16 * c);
+        for (int c = 0; c < kVecs; ++c) acc[t][c] += wv * load16_kv(vh + 16 * c);
       }
     }
     for (int t = 0; t < nh; ++t) {
@@ -288,34 +318,12 @@ void attend_item16(const float* q, const float* kp, const float* vp, const int64
 }
 #endif
 
-std::tuple<at::Tensor, at::Tensor> paged_decode(
-    const at::Tensor& q,
-    const at::Tensor& keys,
-    const at::Tensor& values,
-    const at::Tensor& key_slots,
-    const at::Tensor& key_lens,
-    double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "paged_decode takes q (I, H, D), float32, contiguous");
-  const int64_t items = q.size(0), heads = q.size(1), dim = q.size(2);
-  check_paged_inputs("paged_decode", keys, values, key_slots, key_lens, items);
-  const int64_t kv_heads = keys.size(1);
-  TORCH_CHECK(keys.size(2) == dim, "K/V shapes disagree with q");
-  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
-  const int64_t width = key_slots.size(1);
-
-  at::Tensor out = at::empty({items, heads, dim}, q.options());
-  at::Tensor lse = at::empty({items, heads}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  const int64_t* slots = key_slots.data_ptr<int64_t>();
-  const int64_t* lens = key_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  // One task per item. Inputs are checked above: nothing may throw in the parallel region.
+// Every item of a call, K/V stored as T (float, or uint16_t for bfloat16 bits).
+template <class T>
+void decode_items(const float* qp, const T* kp, const T* vp, const int64_t* slots, const int64_t* lens,
+                  int64_t items, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim, float fscale,
+                  float* op, float* lp) {
+  // One task per item. Inputs are checked by the caller: nothing may throw in the parallel region.
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, query, acc;
     for (int64_t i = begin; i < end; ++i) {
@@ -349,6 +357,40 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(
+    const at::Tensor& q,
+    const at::Tensor& keys,
+    const at::Tensor& values,
+    const at::Tensor& key_slots,
+    const at::Tensor& key_lens,
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_decode takes q (I, H, D), float32, contiguous");
+  const int64_t items = q.size(0), heads = q.size(1), dim = q.size(2);
+  check_paged_inputs("paged_decode", keys, values, key_slots, key_lens, items);
+  const int64_t kv_heads = keys.size(1);
+  TORCH_CHECK(keys.size(2) == dim, "K/V shapes disagree with q");
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads must be a multiple of K/V heads");
+  const int64_t width = key_slots.size(1);
+
+  at::Tensor out = at::empty({items, heads, dim}, q.options());
+  at::Tensor lse = at::empty({items, heads}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t* slots = key_slots.data_ptr<int64_t>();
+  const int64_t* lens = key_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  if (keys.scalar_type() == at::kFloat) {
+    decode_items(qp, keys.data_ptr<float>(), values.data_ptr<float>(), slots, lens, items, width, heads, kv_heads,
+                 dim, fscale, op, lp);
+  } else {  // bfloat16 (checked above)
+    decode_items(qp, reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), slots, lens, items, width,
+                 heads, kv_heads, dim, fscale, op, lp);
+  }
   return {out, lse};
 }
 

@@ -8,11 +8,15 @@
 // K/V are read once per group) against a block of keys in registers: scores by
 // broadcast-FMA against a transposed key block, an online softmax in base 2, then
 // weighted values. Measured with `python -m bench.attention_kernels` (flash block).
+// A bfloat16 pool is widened to float32 (exact: a bfloat16 is the top half of a float32)
+// as the gather copies each item's K/V rows into scratch, which is float32 either way: the
+// gather reads half the bytes, and the result is bit for bit the float32 pool
+// `keys.float()`, `values.float()`'s.
 //
 // kvcache::paged_flash(q, keys, values, key_slots, key_lens, causal, scale) -> (out, lse)
 //   q         (I, Qm, H, D)   float32, the query rows of each item
-//   keys      (S, Hkv, D)     float32, one row per pool slot (a layer's key cache viewed flat)
-//   values    (S, Hkv, D)     float32
+//   keys      (S, Hkv, D)     float32 or bfloat16, one row per pool slot (a layer's key cache viewed flat)
+//   values    (S, Hkv, D)     the same dtype as keys
 //   key_slots (I, Lm)         int64, the pool slots item i reads, in order
 //   key_lens  (I,)            int64, item i reads key_slots[i, :key_lens[i]] (>= 1)
 //   causal    bool            query row r sees keys 0..r only (top-left aligned, as torch's)
@@ -87,6 +91,38 @@ constexpr int64_t kGatherAhead = 32;
 struct Shape {
   int64_t queries, heads, kv_heads, dim, width, group;
 };
+
+// One job's K/V out of the pool (stored as T: float, or uint16_t for bfloat16 bits, widened
+// here) into float32 scratch: the keys of item i's slots (len of them) for K/V head h,
+// transposed by key block into kt, (lp_keys / kBlockKeys, D, kBlockKeys), and their values
+// into vc, (lp_keys, D); zero past len.
+template <class T>
+inline void gather(const T* kp, const T* vp, const int64_t* slots, int64_t len, int64_t lp_keys, const Shape& sh,
+                   int64_t h, float* kt, float* vc) {
+  for (int64_t j = 0; j < lp_keys; ++j) {
+    float* tile = kt + (j / kBlockKeys) * kBlockKeys * sh.dim + j % kBlockKeys;
+    if (j + kGatherAhead < len) {
+      const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
+      constexpr int64_t line = 64 / int64_t(sizeof(T));  // values per 64-byte line: one hint each
+      for (int64_t d = 0; d < sh.dim; d += line) {
+        __builtin_prefetch(kp + ahead + d, 0, 0);
+        __builtin_prefetch(vp + ahead + d, 0, 0);
+      }
+    }
+    if (j < len) {
+      const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
+      for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = kv_float(kp[row + d]);
+      if constexpr (sizeof(T) == sizeof(float)) {
+        std::memcpy(vc + j * sh.dim, vp + row, sh.dim * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < sh.dim; ++d) vc[j * sh.dim + d] = kv_float(vp[row + d]);
+      }
+    } else {
+      for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = 0.f;
+      std::fill(vc + j * sh.dim, vc + (j + 1) * sh.dim, 0.f);
+    }
+  }
+}
 
 // Scratch of one thread, reused across units.
 struct Scratch {
@@ -372,8 +408,11 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
   at::Tensor out = at::empty({items, sh.queries, sh.heads, sh.dim}, q.options());
   at::Tensor lse = at::empty({items, sh.queries, sh.heads}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const bool bf16 = keys.scalar_type() == at::kBFloat16;  // else float32 (checked above)
+  const float* kp = bf16 ? nullptr : keys.data_ptr<float>();
+  const float* vp = bf16 ? nullptr : values.data_ptr<float>();
+  const uint16_t* kb = bf16 ? reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* vb = bf16 ? reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()) : nullptr;
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
@@ -387,8 +426,9 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
   // A job is one (item, K/V head): its thread copies the keys, transposed by key block,
   // (Lp / kBlockKeys, D, kBlockKeys) with Lp a multiple of the key block (zero past the
   // item's keys; one tile is 16 KB at D = 32, read contiguously), and the values, (Lp, D),
-  // out of the pool once into its own scratch, then runs every block of query positions
-  // against them. Costliest jobs first, handed out one at a time so threads finish together.
+  // out of the pool once into its own float32 scratch (gather), then runs every block of
+  // query positions against them. Costliest jobs first, handed out one at a time so threads
+  // finish together.
   const int64_t per_block = std::max<int64_t>(1, kBlockRows / sh.group);
   const int64_t lp_keys = (sh.width + kBlockKeys - 1) / kBlockKeys * kBlockKeys;
   struct Job {
@@ -413,24 +453,10 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t x = next.fetch_add(1); x < num_jobs; x = next.fetch_add(1)) {
         const int64_t i = jobs[x].item, h = jobs[x].kv_head, len = lens[i];
-        for (int64_t j = 0; j < lp_keys; ++j) {
-          float* tile = kt.data() + (j / kBlockKeys) * kBlockKeys * sh.dim + j % kBlockKeys;
-          if (j + kGatherAhead < len) {
-            const int64_t ahead = (slots[i * sh.width + j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
-            for (int64_t d = 0; d < sh.dim; d += 16) {
-              __builtin_prefetch(kp + ahead + d, 0, 0);
-              __builtin_prefetch(vp + ahead + d, 0, 0);
-            }
-          }
-          if (j < len) {
-            const int64_t row = (slots[i * sh.width + j] * sh.kv_heads + h) * sh.dim;
-            for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = kp[row + d];
-            std::memcpy(vc.data() + j * sh.dim, vp + row, sh.dim * sizeof(float));
-          } else {
-            for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = 0.f;
-            std::fill(vc.data() + j * sh.dim, vc.data() + (j + 1) * sh.dim, 0.f);
-          }
-        }
+        if (bf16)
+          gather(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, kt.data(), vc.data());
+        else
+          gather(kp, vp, slots + i * sh.width, len, lp_keys, sh, h, kt.data(), vc.data());
         const int64_t rows = causal ? std::min(len, sh.queries) : sh.queries;
         for (int64_t q0 = 0; q0 < rows; q0 += per_block) {
           const int64_t positions = std::min(per_block, sh.queries - q0);

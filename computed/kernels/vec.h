@@ -1,6 +1,7 @@
 // Shared by the native CPU kernels: 8-lane float vectors (GCC/Clang vector extensions,
 // so one source builds for AVX2, AVX-512 and NEON with `-march=native`), vectorised
-// exponentials (2^x for softmax weights, e^x), and the checks of a paged kernel's K/V inputs.
+// exponentials (2^x for softmax weights, e^x), loads that widen a bfloat16 K/V pool to
+// float32, and the checks of a paged kernel's K/V inputs.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +9,10 @@
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvcache_vec {
 
@@ -29,6 +34,44 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#endif
+
+// K/V pool values as float32, whatever the pool stores: float32 as is, or bfloat16 (kept
+// as its bits, uint16_t), the top 16 bits of a float32, so widening is exact: the bits
+// shifted up 16. The paged kernels load K/V only through these, templated on the storage
+// type: a float32 pool's loads stay the plain loads they were, and a bfloat16 one reads half
+// the bytes (decode attention is memory-bound) for the same float32 arithmetic.
+inline float kv_float(float x) { return x; }
+inline float kv_float(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+// Written with intrinsics where the machine has them: GCC 12 lowers __builtin_convertvector
+// of 16 uint16 lanes to two 8-lane zero-extends and a 256-bit insert, which made the
+// bfloat16 decode kernel's score pass ~50% slower than float32's with the data in cache.
+inline v8 load_kv(const float* p) { return load(p); }
+inline v8 load_kv(const uint16_t* p) {
+#if defined(__AVX2__)
+  return (v8)((v8u32)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))) << 16);
+#else
+  typedef unsigned short v8bf __attribute__((vector_size(16), aligned(2)));
+  const v8u32 u = __builtin_convertvector(*reinterpret_cast<const v8bf*>(p), v8u32) << 16;
+  v8 f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+#if defined(KVCACHE_V16)
+inline v16 load16_kv(const float* p) { return load16(p); }
+inline v16 load16_kv(const uint16_t* p) {
+  // The zero-masking form: the plain one trips GCC 12's -Wmaybe-uninitialized in its header
+  // (an all-ones mask compiles to the same unmasked vpmovzxwd).
+  typedef unsigned v16u32 __attribute__((vector_size(64)));
+  const __m512i x = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (v16)((v16u32)x << 16);
+}
 #endif
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -89,13 +132,16 @@ inline v8 exp_any(v8 x) {
   return exp2_core(t);
 }
 
-// A paged kernel's K/V inputs: float32 contiguous keys/values (S, Hkv, D) shaped alike,
-// int64 contiguous key_slots (I, Lm) and key_lens (I,), every item reading 1..Lm keys of
-// slots inside the pool. `name` is the op, for the messages.
+// A paged kernel's K/V inputs: contiguous keys/values (S, Hkv, D) shaped alike, both float32
+// or both bfloat16, int64 contiguous key_slots (I, Lm) and key_lens (I,), every item reading
+// 1..Lm keys of slots inside the pool. `name` is the op, for the messages.
 inline void check_paged_inputs(const char* name, const at::Tensor& keys, const at::Tensor& values,
                                const at::Tensor& key_slots, const at::Tensor& key_lens, int64_t items) {
   TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes(), name, ": keys and values must be (S, Hkv, D) alike");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, name, " takes float32");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              name, ": keys and values must share a dtype, float32 or bfloat16 (got ", keys.scalar_type(), " and ",
+              values.scalar_type(), ")");
   TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
               "key_slots and key_lens must be int64");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && key_slots.is_contiguous() && key_lens.is_contiguous(),

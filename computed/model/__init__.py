@@ -2,7 +2,7 @@
 
 from computed.model.config import ModelConfig, UnsupportedModelError
 from computed.model.llama import CausalLM
-from computed.model.loader import CheckpointError, LoadedModel, load_model
+from computed.model.loader import CheckpointError, LoadedModel, load_model, native_bfloat16
 from computed.model.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "Tokenizer",
     "UnsupportedModelError",
     "load_model",
+    "native_bfloat16",
 ]

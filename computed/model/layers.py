@@ -17,30 +17,39 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("packed", None, persistent=False)
 
-    def pack(self) -> None:
+    def pack(self, products: torch.dtype = torch.float32) -> None:
         """Pack the weight for the native product (`pack_weight`); a no-op where that cannot run."""
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, products)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, products: torch.dtype = torch.float32) -> torch.Tensor | None:
     """`weight` (N, K) laid out for `kvcache::packed_linear` (panels of 16 output columns,
     K-major: a second copy of the weight), or None where the product cannot run natively
     (not CPU float32, or the native kernels did not load). Pack once the weight is final:
     the packed copy does not follow later changes to it.
 
-    A weight whose every value is a bfloat16 (a bf16 checkpoint, as the built-in model's,
-    loaded as float32) packs at half the bytes, widened back exactly as the kernel reads it:
-    the same products bit for bit. Why: a decode step reads its weights back from memory
-    (the step's K/V reads evict them), and that read is a third of a small batch's products
-    (`python -m bench.attention_kernels`, linear block, one layer's five products from cold
-    caches on a 2-core Zen 4: 8 rows 0.34 -> 0.27 ms, 64 rows 1.36 -> 1.24 ms)."""
+    `products`: float32, or bfloat16 for products whose inputs are rounded to bfloat16 and
+    summed in float32 (`--dtype bfloat16` on CPU: the weight rounded to bfloat16 and packed
+    in pairs for AVX512_BF16's dot instruction, twice float32's products a cycle; see
+    packed_linear.cpp).
+
+    A float32 product's weight whose every value is a bfloat16 (a bf16 checkpoint, as the
+    built-in model's, loaded as float32) packs at half the bytes, widened back exactly as the
+    kernel reads it: the same products bit for bit. Why: a decode step reads its weights
+    back from memory (the step's K/V reads evict them), and that read is a third of a small
+    batch's products (`python -m bench.attention_kernels`, linear block, one layer's five
+    products from cold caches on a 2-core Zen 4: 8 rows 0.34 -> 0.27 ms, 64 rows 1.36 ->
+    1.24 ms)."""
+    assert products in (torch.float32, torch.bfloat16), f"products in {products}"
     op = kernels.pack_linear_weight()
     if op is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     weight = weight.detach().contiguous()
+    if products == torch.bfloat16:
+        return kernels.pack_linear_weight_bf16_dot()(weight.to(torch.bfloat16))
     if torch.equal(weight.to(torch.bfloat16).float(), weight):
         return kernels.pack_linear_weight_bf16()(weight)
     return op(weight)
@@ -143,14 +152,14 @@ class SwiGLU(nn.Module):
         """Gate and up as one product (see `fuse_rows`)."""
         self.gate_up_weight, _ = fuse_rows(self.gate_proj, self.up_proj)
 
-    def pack(self) -> None:
+    def pack(self, products: torch.dtype = torch.float32) -> None:
         """Pack the weights of the products `forward` runs (see `pack_weight`)."""
         if self.gate_up_weight is None:
-            self.gate_proj.pack()
-            self.up_proj.pack()
+            self.gate_proj.pack(products)
+            self.up_proj.pack(products)
         else:
-            self.gate_up_packed = pack_weight(self.gate_up_weight)
-        self.down_proj.pack()
+            self.gate_up_packed = pack_weight(self.gate_up_weight, products)
+        self.down_proj.pack(products)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:

@@ -48,14 +48,14 @@ class Attention(nn.Module):
         """q, k and v as one product (see `fuse_rows`)."""
         self.qkv_weight, self.qkv_bias = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def pack(self) -> None:
+    def pack(self, products: torch.dtype = torch.float32) -> None:
         """Pack the weights of the products `forward` runs (see `pack_weight`)."""
         if self.qkv_weight is None:
             for proj in (self.q_proj, self.k_proj, self.v_proj):
-                proj.pack()
+                proj.pack(products)
         else:
-            self.qkv_packed = pack_weight(self.qkv_weight)
-        self.o_proj.pack()
+            self.qkv_packed = pack_weight(self.qkv_weight, products)
+        self.o_proj.pack(products)
 
     def forward(
         self,
@@ -160,15 +160,16 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def pack_projections(self) -> None:
+    def pack_projections(self, products: torch.dtype = torch.float32) -> None:
         """Every product's weight packed for the native CPU kernel (`pack_weight`: a second
-        copy of the weights, laid out for `kvcache::packed_linear`; a no-op off CPU float32).
-        Call after `fuse_projections`, once the weights are final: `forward` then runs
-        `NativeForward` where every product packed (bit for bit the modules' results)."""
+        copy of the weights, laid out for `kvcache::packed_linear`; a no-op off CPU float32),
+        its inputs rounded to bfloat16 where `products` says so. Call after
+        `fuse_projections`, once the weights are final: `forward` then runs `NativeForward`
+        where every product packed (bit for bit the modules' results)."""
         for layer in self.model.layers:
-            layer.self_attn.pack()
-            layer.mlp.pack()
-        self.lm_head.pack()
+            layer.self_attn.pack(products)
+            layer.mlp.pack(products)
+        self.lm_head.pack(products)
         self.native = NativeForward.build(self)
 
     @torch.inference_mode()

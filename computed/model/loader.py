@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from computed import kernels
 from computed.model.config import ModelConfig
 from computed.model.llama import CausalLM
 
@@ -40,13 +41,25 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    path: str | Path, device: torch.device | str, dtype: torch.dtype, products: torch.dtype | None = None
+) -> LoadedModel:
     """Build the model on `device` in `dtype` from a checkpoint directory.
+
+    `products=torch.bfloat16` (CPU float32 only; `native_bfloat16` says when it runs): every
+    weight rounded to bfloat16 (as loading in bfloat16 would), the model in float32, and its
+    products' inputs rounded to bfloat16 with float32 sums (`CausalLM.pack_projections`):
+    bfloat16's arithmetic where it is twice as fast, float32's residual stream, norms and
+    softmax elsewhere.
 
     Raises FileNotFoundError (no config/weights), UnsupportedModelError (architecture or
     option we do not run) or CheckpointError (tensors that do not match the config).
     """
     path, device = Path(path), torch.device(device)
+    assert products in (None, torch.bfloat16), f"products in {products}"
+    assert products is None or (device.type == "cpu" and dtype == torch.float32), (
+        "bfloat16 products: CPU float32"
+    )
     config = ModelConfig.from_dir(path)
     files = weight_files(path)
     with torch.device("meta"):
@@ -57,7 +70,10 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is no dict
                 if name in expected:
-                    state[name] = _checked(f.get_tensor(name), expected[name], name).to(device, dtype)
+                    tensor = _checked(f.get_tensor(name), expected[name], name)
+                    if products == torch.bfloat16:
+                        tensor = tensor.to(torch.bfloat16)
+                    state[name] = tensor.to(device, dtype)
                 elif not _is_ignorable(name, config):
                     raise CheckpointError(f"unexpected tensor {name!r} in {file.name}")
     missing = sorted(set(expected) - set(state))
@@ -67,7 +83,7 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
     model.tie_weights()  # assign=True replaced the embedding; point the head at the new one
     model.requires_grad_(False).eval()
     model.fuse_projections()
-    model.pack_projections()
+    model.pack_projections(products or torch.float32)
     return LoadedModel(
         model=model,
         config=config,
@@ -77,6 +93,13 @@ def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype)
         dtype=dtype,
         device=device,
     )
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether a bfloat16 model runs here as a float32 model with bfloat16 products
+    (`load_model(..., torch.float32, products=torch.bfloat16)`, K/V kept in bfloat16): on CPU
+    where the native kernels load. Elsewhere it loads in bfloat16 and runs torch's ops."""
+    return device.type == "cpu" and kernels.pack_linear_weight_bf16_dot() is not None
 
 
 def weight_files(path: Path) -> list[Path]:

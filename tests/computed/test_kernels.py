@@ -231,6 +231,71 @@ def test_bf16_packing_gives_the_float32_packings_products_bit_for_bit(
             assert torch.equal(op(x, half, b, out_features), op(x, full, b, out_features))
 
 
+def _bf16_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """packed_linear.cpp's bfloat16 products in torch's float32 ops: x rounded to bfloat16,
+    then per output one chain over the pairs i, acc + x[2i+1] w[2i+1], then + x[2i] w[2i]
+    (each product exact in float32, each add rounded), then + bias."""
+    xb, wb = x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float()
+    if x.shape[1] % 2:
+        xb, wb = torch.nn.functional.pad(xb, (0, 1)), torch.nn.functional.pad(wb, (0, 1))
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for i in range(xb.shape[1] // 2):
+        acc = acc + xb[:, 2 * i + 1, None] * wb[None, :, 2 * i + 1]
+        acc = acc + xb[:, 2 * i, None] * wb[None, :, 2 * i]
+    return acc if bias is None else acc + bias
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 97])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1376, 256), (256, 688), (50, 13), (7, 5)])
+def test_bf16_products_are_the_documented_chain_bit_for_bit(rows, out_features, in_features) -> None:
+    """Products in bfloat16 (`pack_linear_weight_bf16_dot`): every output is exactly the
+    chain packed_linear.cpp documents (what AVX512_BF16's dot instruction computes), for any
+    rows, an odd K, a ragged last panel, with or without bias, whatever the threads or the
+    row's place in the batch; and within bfloat16 rounding of the float32 product."""
+    pack, op = _built(kernels.pack_linear_weight_bf16_dot()), _built(kernels.packed_linear())
+    x, weight, bias = _linear_inputs(rows, out_features, in_features)
+    packed = pack(weight.to(torch.bfloat16))
+    assert packed.dtype == torch.bfloat16 and packed.shape == (
+        -(-out_features // 16),
+        -(-in_features // 2),
+        32,
+    )
+    with torch.inference_mode():
+        for b in (bias, None):
+            with _threads(2):
+                out = op(x, packed, b, out_features)
+            assert torch.equal(out, _bf16_products(x, weight, b))
+            with _threads(1):
+                assert torch.equal(op(x, packed, b, out_features), out)
+            assert torch.equal(op(x[rows - 1 :], packed, b, out_features), out[rows - 1 :])
+        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double()).float()
+        scale = x.abs().max() * weight.abs().max() * in_features
+        assert (out + bias - exact).abs().max() <= scale * 2**-7  # bfloat16 inputs: 8 bits
+
+
+@needs_compiler
+def test_bf16_products_round_x_as_torch_does() -> None:
+    """x's rounding to bfloat16 is torch's: to nearest, ties to even. (Denormals aside: the
+    dot instruction reads them as zero, and an inf would meet the other columns' zeros.)"""
+    pack, op = _built(kernels.pack_linear_weight_bf16_dot()), _built(kernels.packed_linear())
+    one = 1.0
+    ties = [one + 2**-8, one + 3 * 2**-8, -(one + 2**-8), 3.3e38, 1.5 * 2.0**-120, -7.25e-3, one + 2**-9]
+    x = torch.tensor([ties])  # (1, 7)
+    eye = torch.eye(7).to(torch.bfloat16)  # each output picks one column of x
+    out = op(x, pack(eye), None, 7)
+    assert torch.equal(out, x.to(torch.bfloat16).float())
+
+
+@needs_compiler
+def test_bf16_products_refuse_what_they_cannot_take() -> None:
+    pack, op = _built(kernels.pack_linear_weight_bf16_dot()), _built(kernels.packed_linear())
+    with pytest.raises(RuntimeError, match="takes a contiguous bfloat16 weight"):
+        pack(torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match="x has 8 columns, the packed weight 9 or 10"):
+        op(torch.zeros(2, 8), pack(torch.zeros(16, 10, dtype=torch.bfloat16)), None, 16)
+
+
 @needs_compiler
 def test_bf16_packing_refuses_a_weight_that_is_not_bfloat16() -> None:
     weight = torch.ones(4, 8).to(torch.bfloat16).float()
@@ -245,6 +310,7 @@ def test_pack_weight_halves_a_bfloat16_weight_only() -> None:
     weight = torch.randn(40, 24)
     assert pack_weight(weight).dtype == torch.float32
     assert pack_weight(weight.to(torch.bfloat16).float()).dtype == torch.int32
+    assert pack_weight(weight, torch.bfloat16).dtype == torch.bfloat16  # products in bfloat16
 
 
 @needs_compiler
@@ -432,19 +498,22 @@ def test_silu_mul_matches_torch(rows: int, width: int) -> None:
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 97])
 @pytest.mark.parametrize(("width", "in_features"), [(688, 256), (16, 688), (48, 5)])
-@pytest.mark.parametrize("bf16", [False, True])
-def test_packed_linear_swiglu_is_the_two_ops_bit_for_bit(rows, width, in_features, bf16) -> None:
+@pytest.mark.parametrize("packing", ["float32", "bf16", "bf16 products"])
+def test_packed_linear_swiglu_is_the_two_ops_bit_for_bit(rows, width, in_features, packing) -> None:
     """The product's epilogue applies silu(gate) * up: exactly silu_mul of packed_linear's
-    (M, 2I) product, for either packing, whatever rows (full and remainder row blocks),
+    (M, 2I) product, for any packing, whatever rows (full and remainder row blocks),
     the threads, or the row's place in the batch."""
     op = _built(kernels.packed_linear_swiglu())
     product, silu_mul = _built(kernels.packed_linear()), _built(kernels.silu_mul())
     x, weight, _ = _linear_inputs(rows, 2 * width, in_features)
     x = x * 3  # gates well past silu's knee both ways
-    if bf16:
+    if packing != "float32":
         weight = weight.to(torch.bfloat16).float()
-    packed = pack_weight(weight)
-    assert packed.dtype == (torch.int32 if bf16 else torch.float32)
+    packed = pack_weight(weight, torch.bfloat16 if packing == "bf16 products" else torch.float32)
+    assert (
+        packed.dtype
+        == {"float32": torch.float32, "bf16": torch.int32, "bf16 products": torch.bfloat16}[packing]
+    )
     with torch.inference_mode():
         with _threads(2):
             out = op(x, packed, 2 * width)
@@ -452,6 +521,8 @@ def test_packed_linear_swiglu_is_the_two_ops_bit_for_bit(rows, width, in_feature
         with _threads(1):
             assert torch.equal(op(x, packed, 2 * width), out)
         assert torch.equal(op(x[rows - 1 :], packed, 2 * width), out[rows - 1 :])
+    if packing == "bf16 products":
+        x = x.to(torch.bfloat16).float()  # what the products take; their sums differ by float32 rounding
     gate, up = torch.nn.functional.linear(x.double(), weight.double()).split(width, dim=-1)
     torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up).float(), atol=1e-4, rtol=1e-5)
 
