@@ -121,19 +121,13 @@ struct DotWord {
 static_assert(sizeof(DotWord) == 4);
 
 // x rounded to bfloat16 pairs: xw[r, i] = bf16(x[r, 2i]) | bf16(x[r, 2i + 1]) << 16 for rows
-// [row_lo, row_hi), 0 past K. Rounding as torch's float -> bfloat16 (to nearest even; a NaN
-// becomes the quiet NaN 0x7FC0).
-inline uint16_t to_bf16(uint32_t u) {
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);  // branchless: vectorised
-}
-
+// [row_lo, row_hi), 0 past K, each rounded as torch rounds (`round_bf16`).
 void round_rows(const float* x, uint32_t* xw, int64_t k, int64_t row_lo, int64_t row_hi) {
   const int64_t k2 = (k + 1) / 2;
   for (int64_t r = row_lo; r < row_hi; ++r) {
-    const uint32_t* in = reinterpret_cast<const uint32_t*>(x + r * k);
+    const float* in = x + r * k;
     uint16_t* out = reinterpret_cast<uint16_t*>(xw + r * k2);  // the pairs' halves in k order
-    for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(in[i]);
+    for (int64_t i = 0; i < k; ++i) out[i] = round_bf16(in[i]);
     if (k % 2 == 1) out[k] = 0;
   }
 }

@@ -74,6 +74,18 @@ inline v16 load16_kv(const uint16_t* p) {
 }
 #endif
 
+// A float rounded to bfloat16 bits as torch's float32 -> bfloat16 conversion on x86 rounds
+// it (the vectorised path `.to(torch.bfloat16)` takes): to nearest, ties to even, by adding
+// 0x7FFF plus the kept half's lowest bit and dropping the low half (a carry out of the
+// mantissa goes into the exponent: inf where it should), and a NaN becomes 0xFFFF (the sum
+// could carry a NaN's payload into inf, or wrap it to 0). Integer arithmetic rather than
+// AVX512_BF16's vcvtneps2bf16, which flushes denormals to zero where torch keeps them.
+inline uint16_t round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return x != x ? uint16_t(0xFFFF) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
