@@ -194,7 +194,7 @@ def run(ctx: BenchContext) -> BenchResult:
         f"runs per vLLM setup, {REPEATS} runs of ours in the same dtype after each), each from an empty cache. "
         "Wall time is the sum of the rounds. The headline ratio is each side's fastest run, whatever its dtype "
         "(a baseline must be the best its library does); beside it, the same-precision comparisons. In bfloat16 "
-        "the two sides round differently (vLLM's products and sums are bfloat16's, ours sum in float32), so "
+        "the two sides round differently (vLLM's activations are bfloat16 between ops, ours float32), so "
         "their greedy outputs part now and then; in float32 they should not.\n\n"
         f"| workload | ours ÷ vLLM (dtypes) | {per_dtype} |\n|---|---|"
         + "---|" * (5 * len(DTYPES))
