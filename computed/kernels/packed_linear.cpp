@@ -402,10 +402,25 @@ at::Tensor rounded_pairs(const at::Tensor& x) {
   return xw;
 }
 
+// f(xs, weights, k) with x as the packing reads it: float32 rows (K values) for the float32
+// and bf16-stored packings, bfloat16 pairs (ceil(K/2) words, `rounded_pairs`) for the dot
+// packing; weights typed for the packing. Every product op runs its kernel through this.
+template <class F>
+void with_operands(const at::Tensor& x, const PackedWeights& w, F f) {
+  if (w.dot != nullptr) {
+    const at::Tensor xw = rounded_pairs(x);
+    f(reinterpret_cast<const uint32_t*>(xw.data_ptr<int32_t>()), w.dot, xw.size(1));
+  } else if (w.bf16 != nullptr) {
+    f(x.data_ptr<float>(), w.bf16, x.size(1));
+  } else {
+    f(x.data_ptr<float>(), w.f32, x.size(1));
+  }
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t n) {
   const PackedWeights w = check_product("packed_linear", x, packed);
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  const int64_t m = x.size(0), panels = packed.size(0);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n = ", n, " does not fit ", panels, " panels");
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -413,49 +428,29 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const float* xp = x.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (w.dot != nullptr) {
-    const at::Tensor xw = rounded_pairs(x);
-    const uint32_t* xwp = reinterpret_cast<const uint32_t*>(xw.data_ptr<int32_t>());
+  with_operands(x, w, [&](const auto* xs, const auto* weights, int64_t k) {
     parallel_tasks(m, panels, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
-      rows_by_panels(xwp, w.dot, bp, yp, xw.size(1), n, row_lo, row_hi, p_lo, p_hi);
+      rows_by_panels(xs, weights, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
     });
-    return y;
-  }
-  parallel_tasks(m, panels, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
-    if (w.bf16 != nullptr)
-      rows_by_panels(xp, w.bf16, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
-    else
-      rows_by_panels(xp, w.f32, bp, yp, k, n, row_lo, row_hi, p_lo, p_hi);
   });
   return y;
 }
 
 at::Tensor packed_linear_swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const PackedWeights w = check_product("packed_linear_swiglu", x, packed);
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  const int64_t m = x.size(0), panels = packed.size(0);
   TORCH_CHECK(n == panels * kPanel && n % (2 * kPanel) == 0, "packed_linear_swiglu needs the gate's and the up's ",
               "rows, each a multiple of ", kPanel, ", as the weight's n; got n = ", n, " for ", panels, " panels");
   const int64_t width = n / 2;
   at::Tensor y = at::empty({m, width}, x.options());
   if (m == 0) return y;
-  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (w.dot != nullptr) {
-    const at::Tensor xw = rounded_pairs(x);
-    const uint32_t* xwp = reinterpret_cast<const uint32_t*>(xw.data_ptr<int32_t>());
+  with_operands(x, w, [&](const auto* xs, const auto* weights, int64_t k) {
     parallel_tasks(m, width / kPanel, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
-      swiglu_rows_by_panels(xwp, w.dot, yp, xw.size(1), width, row_lo, row_hi, p_lo, p_hi);
+      swiglu_rows_by_panels(xs, weights, yp, k, width, row_lo, row_hi, p_lo, p_hi);
     });
-    return y;
-  }
-  parallel_tasks(m, width / kPanel, [&](int64_t row_lo, int64_t row_hi, int64_t p_lo, int64_t p_hi) {
-    if (w.bf16 != nullptr)
-      swiglu_rows_by_panels(xp, w.bf16, yp, k, width, row_lo, row_hi, p_lo, p_hi);
-    else
-      swiglu_rows_by_panels(xp, w.f32, yp, k, width, row_lo, row_hi, p_lo, p_hi);
   });
   return y;
 }
