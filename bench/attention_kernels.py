@@ -116,14 +116,17 @@ FLASH_TILES = [  # (what, items, queries, keys, causal)
 
 def flash() -> None:
     """Multi-query tiles: slots gather + torch's flash (as computed ran them before the
-    native kernel) against `kvcache::paged_flash` reading the pool in place."""
+    native kernel) against `kvcache::paged_flash` reading the pool in place, and the same
+    op on a bfloat16 pool (bfloat16 products: `--dtype bfloat16`)."""
     from computed import kernels
 
     op = kernels.paged_flash()
     if op is None:
         print(f"flash: native kernel unavailable ({kernels.error()})")
         return
-    print(f"{'flash tile':40} {'I x Qm x Lm':>18} {'torch':>8} {'native':>8} {'ratio':>6}  (ms)")
+    print(
+        f"{'flash tile':40} {'I x Qm x Lm':>18} {'torch':>8} {'native':>8} {'ratio':>6} {'bf16 pool':>9}  (ms)"
+    )
     for what, items, width_q, width_k, causal in FLASH_TILES:
         num_blocks = items * width_k // BLOCK + 8
         keys, values = torch.randn(2, num_blocks * BLOCK, KV_HEADS, DIM).unbind(0)
@@ -148,8 +151,13 @@ def flash() -> None:
         after = timed(
             lambda q=q, k=keys, v=values, s=slots, n=lens, c=causal: op(q, k, v, s, n, c, DIM**-0.5), repeats
         )
+        kb, vb = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+        bf16 = timed(
+            lambda q=q, k=kb, v=vb, s=slots, n=lens, c=causal: op(q, k, v, s, n, c, DIM**-0.5), repeats
+        )
         print(
             f"{what:40} {f'{items} x {width_q} x {width_k}':>18} {before:8.2f} {after:8.2f} {before / after:6.2f}"
+            f" {bf16:9.2f}"
         )
 
 

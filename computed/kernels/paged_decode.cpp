@@ -9,8 +9,11 @@
 // time down the keys, with no horizontal sum per score. Measured with
 // `python -m bench.attention_kernels` and `python -m bench --only peer` (BENCHMARKS.md).
 // A bfloat16 pool is read as it lies, half the bytes of float32, each value widened to
-// float32 as it is loaded (exact: a bfloat16 is the top half of a float32): the result is
-// bit for bit the float32 pool `keys.float()`, `values.float()`'s.
+// float32 as it is loaded (exact: a bfloat16 is the top half of a float32), and multiplies
+// bfloat16 values as paged_flash does: the scaled query and the softmax weights are rounded
+// to bfloat16 (`bf16_weight`: against the ceiling of each row max), so a score gets the same
+// weight here, in paged_flash and in any split of the keys. Otherwise the float32 pool's
+// arithmetic: where the rounding changes nothing the result is its bit for bit.
 //
 // kvcache::paged_decode(q, keys, values, key_slots, key_lens, scale) -> (out, lse)
 //   q         (I, H, D)       float32, the query row of each item
@@ -34,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -114,24 +118,31 @@ inline void head_offsets(int64_t heads, int64_t hp, int64_t group, int64_t dim, 
 // An item's scratch: scores sized (len, hp), hp the heads rounded up to whole 8-lane
 // vectors (key-major: a vector holds 8 heads' scores of one key), and the query scaled
 // by scale * log2 e (so scores come out in base 2), zero past the heads. Returns hp.
+// ROUND (a bfloat16 pool): the scaled query rounded to bfloat16, as paged_flash rounds it.
+template <bool ROUND>
 inline int64_t prepare_item(const float* q, int64_t len, int64_t heads, int64_t dim, float scale,
                             std::vector<float>& scores, std::vector<float>& query) {
   const int64_t hp = (heads + 7) / 8 * 8;
   scores.resize(len * hp);
   query.assign(hp * dim, 0.f);
   const float qscale = scale * kLog2e;
-  for (int64_t a = 0; a < heads * dim; ++a) query[a] = q[a] * qscale;
+  for (int64_t a = 0; a < heads * dim; ++a) query[a] = ROUND ? kv_float(round_bf16(q[a] * qscale)) : q[a] * qscale;
   return hp;
 }
 
 // Softmax weights in place over scores (len, hp), key-major, 8 heads per vector, each
-// column's max given (maxes, hp): the sums of 2^(score - max) go to sums (hp each).
-inline void exp_columns(float* sc, int64_t len, int64_t hp, const float* maxes, float* sums) {
+// column's max given (maxes, hp): the sums of 2^(score - max) go to sums (hp each). ROUND
+// (a bfloat16 pool): each max is raised to its ceiling first and the weights are
+// `bf16_weight`'s, the ones paged_flash takes for the same scores.
+template <bool ROUND>
+inline void exp_columns(float* sc, int64_t len, int64_t hp, float* maxes, float* sums) {
+  if constexpr (ROUND)
+    for (int64_t h = 0; h < hp; ++h) maxes[h] = std::ceil(maxes[h]);
   for (int64_t h0 = 0; h0 < hp; h0 += 8) {
     const v8 mv = load(maxes + h0);
     v8 sv = {};
     for (int64_t j = 0; j < len; ++j) {
-      const v8 e = exp2_neg(load(sc + j * hp + h0) - mv);
+      const v8 e = ROUND ? bf16_weight(load(sc + j * hp + h0), mv) : exp2_neg(load(sc + j * hp + h0) - mv);
       store(sc + j * hp + h0, e);
       sv += e;
     }
@@ -140,6 +151,7 @@ inline void exp_columns(float* sc, int64_t len, int64_t hp, const float* maxes, 
 }
 
 // exp_columns after a pass for the maxes: each column's max goes to maxes (hp each).
+template <bool ROUND>
 inline void softmax_columns(float* sc, int64_t len, int64_t hp, float* maxes, float* sums) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t h0 = 0; h0 < hp; h0 += 8) {
@@ -150,8 +162,12 @@ inline void softmax_columns(float* sc, int64_t len, int64_t hp, float* maxes, fl
     }
     store(maxes + h0, mv);
   }
-  exp_columns(sc, len, hp, maxes, sums);
+  exp_columns<ROUND>(sc, len, hp, maxes, sums);
 }
+
+// A bfloat16 pool (T = uint16_t) multiplies bfloat16 values: q and the weights rounded.
+template <class T>
+constexpr bool kRound = std::is_same_v<T, uint16_t>;
 
 // One item: its query heads (H, D) against len keys, all K/V heads at once, so each
 // slot's K row (Hkv * D floats, contiguous) and V row are read once and in order.
@@ -167,7 +183,7 @@ void attend_item(const float* q, const T* kp, const T* vp, const int64_t* slots,
                  std::vector<float>& scores, std::vector<float>& query, std::vector<float>& acc) {
   const int64_t dim = DIM > 0 ? DIM : dim_arg;
   const int64_t group = heads / kv_heads, row = kv_heads * dim;
-  const int64_t hp = prepare_item(q, len, heads, dim, scale, scores, query);
+  const int64_t hp = prepare_item<kRound<T>>(q, len, heads, dim, scale, scores, query);
   constexpr int64_t ahead = kAhead, far = kFarOf<T>;
   acc.assign(heads * dim, 0.f);
   std::vector<int64_t> offsets(hp);
@@ -200,7 +216,7 @@ void attend_item(const float* q, const T* kp, const T* vp, const int64_t* slots,
     }
   }
   std::vector<float> maxes(hp), sums(hp);
-  softmax_columns(sc, len, hp, maxes.data(), sums.data());
+  softmax_columns<kRound<T>>(sc, len, hp, maxes.data(), sums.data());
   // Pass 2: weighted values, values read once.
   float* __restrict ac = acc.data();
   for (int64_t j = 0; j < std::min(ahead, len); ++j) prefetch_row(vp + slots[j] * row, row);
@@ -260,7 +276,7 @@ void attend_item16(const float* q, const T* kp, const T* vp, const int64_t* slot
   constexpr int kVecs = DIM / 16;                 // vectors per head row
   constexpr int kChunk = kVecs >= 16 ? 1 : 16 / kVecs;  // heads whose sums fit 16 registers
   const int64_t group = heads / kv_heads, row = kv_heads * DIM;
-  const int64_t hp = prepare_item(q, len, heads, DIM, scale, scores, query);
+  const int64_t hp = prepare_item<kRound<T>>(q, len, heads, DIM, scale, scores, query);
   constexpr int64_t ahead = kAhead, far = kFarOf<T>;
   int64_t offsets[512 + 8];
   head_offsets(heads, hp, group, DIM, offsets);
@@ -290,7 +306,7 @@ void attend_item16(const float* q, const T* kp, const T* vp, const int64_t* slot
       store(maxes + h0, x > m ? x : m);
     }
   }
-  exp_columns(sc, len, hp, maxes, sums);
+  exp_columns<kRound<T>>(sc, len, hp, maxes, sums);
   for (int64_t h0 = 0; h0 < heads; h0 += kChunk) {
     const int64_t nh = std::min<int64_t>(kChunk, heads - h0);
     const int64_t lo = (h0 / group) * DIM, hi = ((h0 + nh - 1) / group + 1) * DIM;  // values of a row read

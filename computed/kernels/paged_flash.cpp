@@ -8,10 +8,15 @@
 // K/V are read once per group) against a block of keys in registers: scores by
 // broadcast-FMA against a transposed key block, an online softmax in base 2, then
 // weighted values. Measured with `python -m bench.attention_kernels` (flash block).
-// A bfloat16 pool is widened to float32 (exact: a bfloat16 is the top half of a float32)
-// as the gather copies each item's K/V rows into scratch, which is float32 either way: the
-// gather reads half the bytes, and the result is bit for bit the float32 pool
-// `keys.float()`, `values.float()`'s.
+// A bfloat16 pool multiplies bfloat16 values: the scaled q and each block's softmax weights
+// are rounded to bfloat16 (the weights against the ceiling of the running max,
+// `bf16_weight`: the same weight for a score whatever the block, the split of the keys, or
+// the kernel, paged_decode included). Where AVX512_BF16 is, the products run as vdpbf16ps
+// on pair words the gather lays out (gather_dot), twice the products an instruction; elsewhere
+// as float32 FMAs on the rounded values, the same bits. `python -m bench.attention_kernels`,
+// flash block, 2 threads, float32 pool -> bfloat16 pool: 4,032 prefill rows x 1,024 shared
+// keys 24.9 -> 18.1 ms, 64 decode rows x 1,024 0.44 -> 0.36, 4 causal prompts of 1,088
+// 16.4 -> 12.3. Where the rounding changes nothing the result is the float32 pool's bit for bit.
 //
 // kvcache::paged_flash(q, keys, values, key_slots, key_lens, causal, scale) -> (out, lse)
 //   q         (I, Qm, H, D)   float32, the query rows of each item
@@ -39,7 +44,13 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+// The dot tiles (bfloat16 products by AVX512_BF16's vdpbf16ps) for a bfloat16 pool.
+#if defined(KVCACHE_V16) && defined(__AVX512BF16__)
+#define KVCACHE_FLASH_DOT 1
+#endif
 
 namespace {
 
@@ -58,12 +69,14 @@ inline float max_of(const float* s, int64_t n, float init) {
 }
 
 // Softmax weights in base 2, in place: s[j] = 2^(s[j] - mx) for j < n (a multiple of 8;
-// -inf scores get 0). Returns their sum, added in a fixed order.
+// -inf scores get 0), where ROUND rounded to bfloat16 as `bf16_weight` (mx an integer).
+// Returns their sum (of the weights as stored), added in a fixed order.
+template <bool ROUND>
 inline float exp2_weights(float* s, int64_t n, float mx) {
   v8 sum = {};
   const v8 mxv = splat(mx);
   for (int64_t j = 0; j < n; j += 8) {
-    const v8 e = exp2_neg(load(s + j) - mxv);
+    const v8 e = ROUND ? bf16_weight(load(s + j), mxv) : exp2_neg(load(s + j) - mxv);
     store(s + j, e);
     sum += e;
   }
@@ -124,12 +137,47 @@ inline void gather(const T* kp, const T* vp, const int64_t* slots, int64_t len, 
   }
 }
 
+#if defined(KVCACHE_FLASH_DOT)
+// gather's job for the dot tiles, from a bfloat16 pool: the keys as pair words by key block,
+// (lp_keys / kBlockKeys, D / 2, kBlockKeys), word (p, j) = k_j[2p] high | k_j[2p + 1] low; the
+// values as (lp_keys / 2, D) words, word (i, d) = v_2i[d] high | v_2i+1[d] low; zero past len.
+inline void gather_dot(const uint16_t* kp, const uint16_t* vp, const int64_t* slots, int64_t len, int64_t lp_keys,
+                       const Shape& sh, int64_t h, uint32_t* ktw, uint32_t* vw) {
+  const int64_t half = sh.dim / 2;
+  for (int64_t j = 0; j < lp_keys; ++j) {
+    uint32_t* tile = ktw + (j / kBlockKeys) * kBlockKeys * half + j % kBlockKeys;
+    // Little-endian halves: the high half of a word is its second uint16_t.
+    uint16_t* vhalf = reinterpret_cast<uint16_t*>(vw + (j / 2) * sh.dim) + (j % 2 == 0 ? 1 : 0);
+    if (j + kGatherAhead < len) {
+      const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
+      for (int64_t d = 0; d < sh.dim; d += 32) {
+        __builtin_prefetch(kp + ahead + d, 0, 0);
+        __builtin_prefetch(vp + ahead + d, 0, 0);
+      }
+    }
+    if (j < len) {
+      const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
+      const uint16_t* k = kp + row;
+      const uint16_t* v = vp + row;
+      for (int64_t p = 0; p < half; ++p) tile[p * kBlockKeys] = uint32_t(k[2 * p]) << 16 | k[2 * p + 1];
+      for (int64_t d = 0; d < sh.dim; ++d) vhalf[2 * d] = v[d];
+    } else {
+      for (int64_t p = 0; p < half; ++p) tile[p * kBlockKeys] = 0;
+      for (int64_t d = 0; d < sh.dim; ++d) vhalf[2 * d] = 0;
+    }
+  }
+}
+#endif
+
 // Scratch of one thread, reused across units.
 struct Scratch {
   std::vector<float> q, s, o, m, l;
+  std::vector<uint32_t> qw, pw;  // bfloat16 pair words of q and of the weights (the dot tiles)
   void reserve(int64_t dim) {
     const int64_t rows = kBlockRows + 12;  // rounded up to whole row tiles
     q.resize(rows * dim);
+    qw.resize(rows * dim / 2);
+    pw.resize(rows * kBlockKeys / 2);
     s.resize(rows * kBlockKeys);
     o.resize(rows * dim);
     m.resize(rows);
@@ -222,11 +270,12 @@ inline float max_of16(const float* s, int64_t n, float init) {
   return mx;
 }
 
+template <bool ROUND>
 inline float exp2_weights16(float* s, int64_t n, float mx) {
   v16 sum = {};
   const v16 mxv = splat16(mx);
   for (int64_t j = 0; j < n; j += 16) {
-    const v16 e = exp2_neg(load16(s + j) - mxv);
+    const v16 e = ROUND ? bf16_weight(load16(s + j), mxv) : exp2_neg(load16(s + j) - mxv);
     store16(s + j, e);
     sum += e;
   }
@@ -282,6 +331,94 @@ inline void values_tile16(const float* p, const float* vrows, int64_t keys, floa
       for (int c = 0; c < kVecs; ++c) store16(o + r * DIM + d0 + 16 * c, acc[r][c]);
   }
 }
+
+#if defined(KVCACHE_FLASH_DOT)
+// The tiles of a bfloat16 pool in bfloat16 products: vdpbf16ps multiplies the two bfloat16
+// halves of each 32-bit lane and adds both to the float32 lane (32 products an instruction
+// where an FMA does 16, at the same rate). Words hold two neighbours along the sum (dims for
+// scores, keys for values) with the earlier one in the HIGH half, because the instruction adds
+// the high half's product first: each lane's chain then runs over d (or j) in order from
+// zero, one rounded add per exact product, which is the float32 tiles' FMA chain on the same
+// rounded inputs. This path and the portable one (ROUND without DOT) give the same bits.
+// 2-core Zen 4, `python -m bench.attention_kernels`' flash block on a bfloat16 pool: see
+// KVCACHE_FLASH_DOT's use in paged_flash.
+
+inline uint32_t float_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
+
+// Two floats that are bfloat16 values as one pair word, `first` in the high half.
+inline uint32_t pair_word(float first, float second) {
+  return (float_bits(first) & 0xFFFF0000u) | (float_bits(second) >> 16);
+}
+
+inline __m512bh bf16_words(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// s[r, c..c+64) for kRowTile rows of q words (DIM / 2 a row) against 64 keys of a key block
+// of words (DIM / 2, kBlockKeys).
+template <int DIM>
+inline void scores_tile_dot(const uint32_t* qw, const uint32_t* ktw, float* s) {
+  __m512 acc[kRowTile][4];
+  for (int r = 0; r < kRowTile; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < DIM / 2; ++p) {
+    const uint32_t* k = ktw + p * kBlockKeys;
+    __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16), k2 = _mm512_loadu_si512(k + 32),
+            k3 = _mm512_loadu_si512(k + 48);
+    // In registers, as scores_tile16's: GCC otherwise loads each key vector once per row.
+    asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+    for (int r = 0; r < kRowTile; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * (DIM / 2) + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, (__m512bh)k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, (__m512bh)k1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b, (__m512bh)k2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b, (__m512bh)k3);
+    }
+  }
+  for (int r = 0; r < kRowTile; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kBlockKeys + 16 * c, acc[r][c]);
+}
+
+// o[r, :] += sum_j p[r, j] v_j for the tile's rows, over `pairs` pairs of keys: weights as
+// pair words (kBlockKeys / 2 a row), values as words (pairs, DIM).
+template <int DIM>
+inline void values_tile_dot(const uint32_t* pw, const uint32_t* vw, int64_t pairs, float* o) {
+  constexpr int kRows = wide_value_rows<DIM>();
+  constexpr int kVecs = DIM >= 64 ? 4 : DIM / 16;
+  for (int d0 = 0; d0 < DIM; d0 += 16 * kVecs) {
+    __m512 acc[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_loadu_ps(o + r * DIM + d0 + 16 * c);
+    for (int64_t j = 0; j < pairs; ++j) {
+      __m512bh vv[kVecs];
+      for (int c = 0; c < kVecs; ++c) vv[c] = bf16_words(vw + j * DIM + d0 + 16 * c);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * (kBlockKeys / 2) + j]));
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, vv[c]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(o + r * DIM + d0 + 16 * c, acc[r][c]);
+  }
+}
+
+// A row's weights (bfloat16 values kept as floats, n a multiple of 32) as pair words: word i
+// = bits(s[2i]) high half | bits(s[2i + 1]) high half, one 16-bit permute per 32 weights.
+inline void pack_weights(const float* s, uint32_t* pw, int64_t n) {
+  // Result half 2i takes s[2i + 1]'s high half (16-bit element 4i + 3 of the two vectors),
+  // half 2i + 1 takes s[2i]'s (element 4i + 1).
+  alignas(64) static constexpr uint16_t kPick[32] = {3,  1,  7,  5,  11, 9,  15, 13, 19, 17, 23,
+                                                     21, 27, 25, 31, 29, 35, 33, 39, 37, 43, 41,
+                                                     47, 45, 51, 49, 55, 53, 59, 57, 63, 61};
+  const __m512i pick = _mm512_load_si512(kPick);
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512i a = _mm512_loadu_si512(s + j), b = _mm512_loadu_si512(s + j + 16);
+    _mm512_storeu_si512(pw + j / 2, _mm512_permutex2var_epi16(a, pick, b));
+  }
+}
+#endif
 #endif
 
 inline float max_of16_or8(const float* s, int64_t n, float init) {
@@ -292,16 +429,20 @@ inline float max_of16_or8(const float* s, int64_t n, float init) {
 #endif
 }
 
+template <bool ROUND>
 inline float exp2_weights16_or8(float* s, int64_t n, float mx) {
 #if defined(KVCACHE_V16)
-  return exp2_weights16(s, n, mx);
+  return exp2_weights16<ROUND>(s, n, mx);
 #else
-  return exp2_weights(s, n, mx);
+  return exp2_weights<ROUND>(s, n, mx);
 #endif
 }
 
-// One unit: item i, K/V head kvh, query positions [q0, q0 + positions).
-template <int DIM>
+// One unit: item i, K/V head kvh, query positions [q0, q0 + positions). ROUND (a bfloat16
+// pool): the scaled q and the softmax weights are rounded to bfloat16, so every product is
+// of two bfloat16 values; DOT: those products by the dot tiles, kt and vc then holding
+// gather_dot's words.
+template <int DIM, bool ROUND, bool DOT>
 void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
                  bool causal, float scale, const Shape& sh, int64_t i, int64_t kvh, int64_t q0,
                  int64_t positions, float* op, float* lp, Scratch& w) {
@@ -325,11 +466,21 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
     float* dst = q + r * dim;
     if (r < rows) {
       const float* src = qp + ((i * sh.queries + q0 + r / g) * sh.heads + kvh * g + r % g) * dim;
-      for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * qscale;
+      for (int64_t d = 0; d < dim; ++d) {
+        if constexpr (ROUND)
+          dst[d] = kv_float(round_bf16(src[d] * qscale));
+        else
+          dst[d] = src[d] * qscale;
+      }
     } else {
       std::fill(dst, dst + dim, 0.f);
     }
   }
+#if defined(KVCACHE_FLASH_DOT)
+  if constexpr (DOT)
+    for (int64_t r = 0; r < padded_rows; ++r)
+      for (int64_t p = 0; p < dim / 2; ++p) w.qw[r * dim / 2 + p] = pair_word(q[r * dim + 2 * p], q[r * dim + 2 * p + 1]);
+#endif
   std::fill(o, o + padded_rows * dim, 0.f);
   std::fill(m, m + padded_rows, kNegInf);
   std::fill(l, l + padded_rows, 0.f);
@@ -339,6 +490,15 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
     const int64_t nk = std::min<int64_t>(kBlockKeys, end_keys - k0);
     const int64_t nk_padded = (nk + kKeyUnit - 1) / kKeyUnit * kKeyUnit;  // whole score tiles (zero keys past nk, masked)
     float* __restrict s = w.s.data();
+#if defined(KVCACHE_FLASH_DOT)
+    if constexpr (DOT) {
+      static_assert(kWide, "the dot tiles are the wide tiles' shapes");
+      const uint32_t* ktw = reinterpret_cast<const uint32_t*>(kt) + k0 * dim / 2;
+      for (int64_t r = 0; r < padded_rows; r += kRowTile)
+        for (int64_t c = 0; c < nk_padded; c += kWideKeys)
+          scores_tile_dot<DIM>(w.qw.data() + r * dim / 2, ktw + c, s + r * kBlockKeys + c);
+    } else
+#endif
 #if defined(KVCACHE_V16)
     if constexpr (kWide) {
       for (int64_t r = 0; r < padded_rows; r += kRowTile)
@@ -358,14 +518,17 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
       if (r >= rows) visible = std::min<int64_t>(nk, 1);
       for (int64_t j = visible; j < nk_padded; ++j) sr[j] = kNegInf;
       // Row max over the block, 8 lanes at a time (a scalar max chain costs ~4 cycles a key).
-      const float mx = kWide ? max_of16_or8(sr, nk_padded, m[r]) : max_of(sr, nk_padded, m[r]);
+      float mx = kWide ? max_of16_or8(sr, nk_padded, m[r]) : max_of(sr, nk_padded, m[r]);
+      if constexpr (ROUND) mx = std::ceil(mx);  // an integer max: see bf16_weight
       if (mx == kNegInf) {  // nothing visible yet in this row
         for (int64_t j = 0; j < nk_padded; ++j) sr[j] = 0.f;
         continue;
       }
-      const float correction = m[r] == kNegInf ? 0.f : std::exp2(m[r] - mx);
+      // 2^0 is 1 exactly: no call where the block leaves the max where it was (most blocks).
+      const float correction = m[r] == kNegInf ? 0.f : mx == m[r] ? 1.f : std::exp2(m[r] - mx);
       m[r] = mx;
-      const float total = kWide ? exp2_weights16_or8(sr, nk_padded, mx) : exp2_weights(sr, nk_padded, mx);
+      const float total =
+          kWide ? exp2_weights16_or8<ROUND>(sr, nk_padded, mx) : exp2_weights<ROUND>(sr, nk_padded, mx);
       l[r] = l[r] * correction + total;
       if (correction != 1.f) {
         float* orow = o + r * dim;
@@ -373,6 +536,15 @@ void attend_unit(const float* qp, const float* kt, const float* vc, int64_t len,
         for (int64_t d = 0; d < dim; d += 8) store(orow + d, load(orow + d) * cv);
       }
     }
+#if defined(KVCACHE_FLASH_DOT)
+    if constexpr (DOT) {
+      // Keys in pairs: a block's odd last key pairs with a masked one (weight 0).
+      for (int64_t r = 0; r < padded_rows; ++r) pack_weights(s + r * kBlockKeys, w.pw.data() + r * kBlockKeys / 2, nk_padded);
+      const uint32_t* vw = reinterpret_cast<const uint32_t*>(vc) + k0 / 2 * dim;
+      for (int64_t r = 0; r < padded_rows; r += kRowUnit)
+        values_tile_dot<DIM>(w.pw.data() + r * kBlockKeys / 2, vw, (nk + 1) / 2, o + r * dim);
+    } else
+#endif
 #if defined(KVCACHE_V16)
     if constexpr (kWide) {
       for (int64_t r = 0; r < padded_rows; r += kRowUnit)
@@ -453,31 +625,42 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t x = next.fetch_add(1); x < num_jobs; x = next.fetch_add(1)) {
         const int64_t i = jobs[x].item, h = jobs[x].kv_head, len = lens[i];
-        if (bf16)
-          gather(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, kt.data(), vc.data());
-        else
-          gather(kp, vp, slots + i * sh.width, len, lp_keys, sh, h, kt.data(), vc.data());
         const int64_t rows = causal ? std::min(len, sh.queries) : sh.queries;
-        for (int64_t q0 = 0; q0 < rows; q0 += per_block) {
-          const int64_t positions = std::min(per_block, sh.queries - q0);
-          switch (sh.dim) {
-            case 32:
-              attend_unit<32>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
-                              scratch);
-              break;
-            case 64:
-              attend_unit<64>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
-                              scratch);
-              break;
-            case 128:
-              attend_unit<128>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
-                               scratch);
-              break;
-            default:
-              attend_unit<0>(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp,
-                             scratch);
+        // Every block of query positions of the job against its gathered K/V.
+        auto attend = [&](auto unit) {
+          for (int64_t q0 = 0; q0 < rows; q0 += per_block) {
+            const int64_t positions = std::min(per_block, sh.queries - q0);
+            unit(qp, kt.data(), vc.data(), len, causal, fscale, sh, i, h, q0, positions, op, lp, scratch);
           }
+        };
+        auto by_dim = [&](auto round) {
+          constexpr bool R = decltype(round)::value;
+          switch (sh.dim) {
+            case 32: return attend(attend_unit<32, R, false>);
+            case 64: return attend(attend_unit<64, R, false>);
+            case 128: return attend(attend_unit<128, R, false>);
+            default: return attend(attend_unit<0, R, false>);
+          }
+        };
+        if (!bf16) {
+          gather(kp, vp, slots + i * sh.width, len, lp_keys, sh, h, kt.data(), vc.data());
+          by_dim(std::false_type{});
+          continue;
         }
+#if defined(KVCACHE_FLASH_DOT)
+        if (sh.dim == 32 || sh.dim == 64 || sh.dim == 128) {
+          gather_dot(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, reinterpret_cast<uint32_t*>(kt.data()),
+                     reinterpret_cast<uint32_t*>(vc.data()));
+          switch (sh.dim) {
+            case 32: attend(attend_unit<32, true, true>); break;
+            case 64: attend(attend_unit<64, true, true>); break;
+            default: attend(attend_unit<128, true, true>);
+          }
+          continue;
+        }
+#endif
+        gather(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, kt.data(), vc.data());
+        by_dim(std::true_type{});
       }
     }
   });

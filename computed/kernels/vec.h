@@ -135,6 +135,34 @@ inline V exp2_neg(V x) {
   return p * scale;
 }
 
+// The softmax weights of a bfloat16 pool's attention: 2^(x - m) per lane rounded to bfloat16
+// (kept as float32), for an integer m >= every x of the row (the kernels take the ceiling of
+// the row max). Computed as 2^f * 2^(n - m), n = round(x), f = x - n (both exact), so the
+// rounded fraction part depends on x alone and the weight against another integer max m' is
+// this one times 2^(m - m') exactly: the weights of one score are the same bfloat16 value
+// (scaled) in every kernel and every split of the keys (a chunk after a cached prefix,
+// merged by log-sum-exp, or one pass), and rescaling a running sum by a power of two is
+// exact. x - m below -126.5 gives 0, as do -inf and NaN.
+template <class V>
+inline V bf16_weight(V x, V m) {
+  typedef unsigned U __attribute__((vector_size(sizeof(V))));
+  const V lowest = m - 127.f;
+  x = x > lowest ? x : lowest;  // NaN too
+  const V big = V{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x + big) - big;
+  const V biased = V{} + 12583039.f;  // 1.5 * 2^23 + 127: n - m + 127 in the low bits of the sum
+  const V sum = (n - m) + biased;
+  U bits;
+  std::memcpy(&bits, &sum, sizeof(bits));
+  bits <<= 23;  // 2^(n - m), 0 for n - m = -127
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  V p = exp2_poly(x - n);
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;  // to bfloat16, ties to even
+  std::memcpy(&p, &bits, sizeof(p));
+  return p * scale;
+}
 // e^x per lane for any finite x, the exponent clamped to [-126, 126] in base 2 (so about
 // 1e-38 below x = -87 and 1e38 above 87: finite, where e^x would under- or overflow).
 inline v8 exp_any(v8 x) {
