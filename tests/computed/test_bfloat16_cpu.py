@@ -21,7 +21,7 @@ from computed.attention import AttentionBatch, SpanInput
 from computed.kv_pool import KVPool
 from computed.model import LoadedModel, load_model, native_bfloat16
 from tests.computed.test_generation import BLOCK, Stack, _stack, prompt
-from tests.computed.test_model import CPU, SAME, VARIANTS, Paged, random_prompt, reference_logits
+from tests.computed.test_model import CPU, VARIANTS, Paged, random_prompt, reference_logits
 from tests.models import TinyModels
 
 pytestmark = pytest.mark.skipif(

@@ -197,7 +197,7 @@ def _reference(q, keys32, values32, slots, lens, causal: bool, scale: float) -> 
     """What the kernels compute on a bfloat16 pool, in float64 but for its roundings: the
     scaled q (scale * log2 e, float32) rounded to bfloat16, and each weight 2^(s - M) rounded
     to bfloat16, M the ceiling of the row max (any integer gives the same weights, scaled)."""
-    items, width_q, heads, dim = q.shape
+    items, width_q, heads, _ = q.shape
     group = heads // keys32.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i in range(items):
