@@ -35,7 +35,7 @@ inline void round_row_bf16(const float* src, uint16_t* dst, int64_t n) {
     const v8 x = load(src + a);
     v8u32 u;
     std::memcpy(&u, &x, sizeof(u));
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    u = KVCACHE_BF16_ROUNDED_BITS(u) >> 16;
     u = x == x ? u : 0xFFFFu;
     *reinterpret_cast<v8h*>(dst + a) = __builtin_convertvector(u, v8h);
   }

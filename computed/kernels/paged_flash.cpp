@@ -340,8 +340,7 @@ inline void values_tile16(const float* p, const float* vrows, int64_t keys, floa
 // the high half's product first: each lane's chain then runs over d (or j) in order from
 // zero, one rounded add per exact product, which is the float32 tiles' FMA chain on the same
 // rounded inputs. This path and the portable one (ROUND without DOT) give the same bits.
-// 2-core Zen 4, `python -m bench.attention_kernels`' flash block on a bfloat16 pool: see
-// KVCACHE_FLASH_DOT's use in paged_flash.
+// Measured in the header (float32 pool -> bfloat16 pool).
 
 inline uint32_t float_bits(float x) {
   uint32_t u;

@@ -74,6 +74,12 @@ inline v16 load16_kv(const uint16_t* p) {
 }
 #endif
 
+// The bits of floats (uint32_t, or a vector of them) rounded to bfloat16, in the high half
+// (the low half zero): round_bf16's rounding, for any number but NaN. A macro, not a
+// template: GCC 12 deduces a vector typedef that depends on a template parameter (bf16_weight's)
+// as its element type.
+#define KVCACHE_BF16_ROUNDED_BITS(u) (((u) + 0x7FFFu + (((u) >> 16) & 1u)) & 0xFFFF0000u)
+
 // A float rounded to bfloat16 bits as torch's float32 -> bfloat16 conversion on x86 rounds
 // it (the vectorised path `.to(torch.bfloat16)` takes): to nearest, ties to even, by adding
 // 0x7FFF plus the kept half's lowest bit and dropping the low half (a carry out of the
@@ -83,7 +89,7 @@ inline v16 load16_kv(const uint16_t* p) {
 inline uint16_t round_bf16(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
-  return x != x ? uint16_t(0xFFFF) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return x != x ? uint16_t(0xFFFF) : uint16_t(KVCACHE_BF16_ROUNDED_BITS(u) >> 16);
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -159,7 +165,7 @@ inline V bf16_weight(V x, V m) {
   std::memcpy(&scale, &bits, sizeof(scale));
   V p = exp2_poly(x - n);
   std::memcpy(&bits, &p, sizeof(bits));
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;  // to bfloat16, ties to even
+  bits = KVCACHE_BF16_ROUNDED_BITS(bits);
   std::memcpy(&p, &bits, sizeof(p));
   return p * scale;
 }
