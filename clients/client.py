@@ -26,7 +26,7 @@ import grpc
 
 from clients import core
 from clients.errors import KVCacheError
-from clients.options import ClientOptions, open_channel
+from clients.options import ClientOptions, close_channel, open_channel
 from clients.requests import WHOLE_COMPLETION, MessageLike, Prompt, SamplingParams
 from clients.routing import Router, Tokenized
 from clients.types import (
@@ -109,7 +109,7 @@ class _Endpoint:
                 rpc.cancel()  # no-op when finished; stops server work when the reader quits
 
     def close(self) -> None:
-        self.channel.close()
+        close_channel(self.channel, self.address)
 
 
 class GenerateStream:

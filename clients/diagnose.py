@@ -16,7 +16,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clients.errors import KVCacheError
-from clients.options import TlsOptions, open_channel
+from clients.options import TlsOptions, close_channel, open_channel
 
 DEFAULT_PORTS = {"blockd": 50051, "computed": 50052}
 # The gRPC service that tells each daemon apart.
@@ -105,7 +105,7 @@ def served_daemons(address: str, tls: TlsOptions | None, timeout: float = 2.0) -
     except grpc.RpcError:
         return []
     finally:
-        channel.close()
+        close_channel(channel, address)
 
 
 def _split_port(value: str) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.options import TlsOptions, open_channel
+from clients.options import TlsOptions, close_channel, open_channel
 
 UNREACHABLE = "UNREACHABLE"
 
@@ -33,7 +33,7 @@ def health_status(
             else error.code().name
         )
     finally:
-        channel.close()
+        close_channel(channel, address)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,19 @@ turn an address plus `TlsOptions` into a gRPC channel.
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import grpc.aio
+
+log = logging.getLogger(__name__)
+
+# How long close_channel waits for gRPC to let a channel go.
+CLOSE_WAIT_SECONDS = 2.0
 
 # 64 MiB: a ListBlocks page of 10,000 blocks with 1,024 tokens each still fits.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -130,6 +137,22 @@ def open_channel(address: str, tls: TlsOptions | None = None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(address, options=_channel_options(None))
     return grpc.secure_channel(address, tls.credentials(), options=_channel_options(tls))
+
+
+def close_channel(channel: grpc.Channel, address: str, wait: float = CLOSE_WAIT_SECONDS) -> None:
+    """Closes a sync channel, waiting at most `wait` seconds.
+
+    A Ctrl-C (any exception a signal handler raises) that lands while gRPC starts a
+    streaming or future call can leave that call registered with no thread to drive it,
+    and gRPC's own close then waits for it forever (tests/clients/test_client.py shows
+    it). The close runs on a daemon thread, so a program that was interrupted still
+    ends; a channel that did not close is left to the process exit.
+    """
+    closing = threading.Thread(target=channel.close, name=f"close {address}", daemon=True)
+    closing.start()
+    closing.join(wait)
+    if closing.is_alive():
+        log.warning("the channel to %s did not close; leaving it to the process exit", address)
 
 
 def open_aio_channel(address: str, tls: TlsOptions | None = None) -> grpc.aio.Channel:

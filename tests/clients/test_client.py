@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ from clients.options import ClientOptions, RetryPolicy
 from clients.prefix_tree import build_prefix_forest
 from clients.routing import normalize_address
 from tests.clients.conftest import ADMIN_TOKEN, LiveStack, dead_address, free_port, unique_prompt
-from tests.daemons import spawn
+from tests.daemons import REPO, spawn
 
 OPTIONS = ClientOptions(admin_token=ADMIN_TOKEN, timeout=30.0, generate_timeout=120.0)
 
@@ -212,3 +214,43 @@ def test_retries_reach_a_daemon_that_comes_up_late(tmp_path) -> None:
         starter.join()
         for daemon in started:
             daemon.stop()
+
+
+# Ctrl-C lands as gRPC starts its channel thread for a new call (the window behind a CI
+# hang of `make demo`): the call stays registered with no thread to drive it.
+_INTERRUPTED_CALL = """
+import sys
+from clients.client import KVCacheClient
+
+client = KVCacheClient(sys.argv[1], [sys.argv[2]])
+client.complete("one request first", max_tokens=2)
+
+
+def interrupt_there(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "_run_channel_spin_thread":
+        sys.settrace(None)
+        raise KeyboardInterrupt
+    return None
+
+
+sys.settrace(interrupt_there)
+try:
+    client.complete("a request Ctrl-C cuts short", max_tokens=2)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+sys.settrace(None)
+client.close()
+print("closed", flush=True)
+"""
+
+
+def test_close_returns_after_a_ctrl_c_inside_grpc(live: LiveStack) -> None:
+    """gRPC's own close would wait forever for the orphaned call; the client's gives up
+    after CLOSE_WAIT_SECONDS (clients/options.py), so an interrupted program still ends."""
+    args = [sys.executable, "-c", _INTERRUPTED_CALL, live.blockd.address, live.computed.address]
+    try:
+        run = subprocess.run(args, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"close() hangs after the interrupt: {hung.stdout!r}")
+    assert run.stdout.split() == ["interrupted", "closed"], run.stdout + run.stderr
+    assert run.returncode == 0, run.stderr
