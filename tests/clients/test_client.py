@@ -252,5 +252,9 @@ def test_close_returns_after_a_ctrl_c_inside_grpc(live: LiveStack) -> None:
         run = subprocess.run(args, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired as hung:
         pytest.fail(f"close() hangs after the interrupt: {hung.stdout!r}")
+    assert "interrupted" in run.stdout, (
+        f"the interrupt never fired: does grpc {grpc.__version__} still start calls through "
+        f"_run_channel_spin_thread? {run.stdout + run.stderr}"
+    )
     assert run.stdout.split() == ["interrupted", "closed"], run.stdout + run.stderr
     assert run.returncode == 0, run.stderr
