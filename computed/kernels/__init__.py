@@ -38,6 +38,11 @@ SOURCES = tuple(
     )
 )
 ENV = "COMPUTED_CPU_KERNELS"
+# Extra compiler flags for the build, after -march=native: "-mno-avx512f" builds the
+# 8-lane (AVX2) paths, "-mno-avx512bf16" the 16-lane ones without the bfloat16 dot
+# products, as an older CPU would run them (tests/computed/test_kernel_isas.py). Set
+# TORCH_EXTENSIONS_DIR apart with it: the build replaces the one in the usual place.
+FLAGS_ENV = "COMPUTED_CPU_KERNEL_FLAGS"
 
 
 def enabled() -> bool:
@@ -164,7 +169,7 @@ def _load() -> tuple[bool, str | None]:
             sources=[str(source) for source in SOURCES],
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the same libgomp);
             # -march=native: AVX2/AVX-512 for the dot products (built on the machine that runs it).
-            extra_cflags=["-O3", "-fopenmp", "-march=native"],
+            extra_cflags=["-O3", "-fopenmp", "-march=native", *os.environ.get(FLAGS_ENV, "").split()],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
