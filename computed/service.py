@@ -136,8 +136,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
             admitted = await asyncio.to_thread(self.policy.admit, given)
         else:
-            # Token ids are only checked (~30 us for 1,088): a thread hop each cost more, and
-            # 64 of them at once held the first step back (`make bench-peer`, shared).
+            # Token ids are only checked (18 us for 1,088): cheaper than the thread hop, which
+            # woke the loop once per request while a burst's first forward ran. The walls of
+            # `make bench-peer` did not move beyond this machine's noise either way.
             admitted = self.policy.admit(given)
         sequence_id, queue = self.engine.add_request(
             admitted.prompt_token_ids,
