@@ -4,7 +4,8 @@ Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
 (paged_decode.cpp), `paged_flash()` (paged_flash.cpp), `pack_linear_weight()`,
 `pack_linear_weight_bf16()`, `pack_linear_weight_bf16_dot()` and `packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
 `add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
-(silu_mul.cpp), `argmax_rows()` (argmax.cpp) and `write_kv()` (kv_write.cpp); or None
+(silu_mul.cpp), `argmax_rows()` (argmax.cpp), `write_kv()` (kv_write.cpp), and
+`layer_qkv()` and `layer_out()` (layer.cpp: a decoder layer's ops around its attention); or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
 `COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
 results (attention, linear, norms and activation up to float rounding, rotary bit for
@@ -35,6 +36,7 @@ SOURCES = tuple(
         "silu_mul.cpp",
         "argmax.cpp",
         "kv_write.cpp",
+        "layer.cpp",
     )
 )
 ENV = "COMPUTED_CPU_KERNELS"
@@ -146,6 +148,22 @@ def write_kv() -> Callable | None:
     return torch.ops.kvcache.write_kv if _loaded()[0] else None
 
 
+def layer_qkv() -> Callable | None:
+    """A decoder layer's ops before its attention (`layer_qkv(h, qkv, bias, q_norm, k_norm,
+    cos, sin, kv, layer, write_slots, write_index, num_heads, num_kv_heads, head_dim, eps) ->
+    q`: the q/k/v product, the q/k norms if any, rotary, the new K/V written into the pool),
+    bit for bit those ops one by one, or None as `paged_decode()`."""
+    return torch.ops.kvcache.layer_qkv if _loaded()[0] else None
+
+
+def layer_out() -> Callable | None:
+    """A decoder layer's ops after its attention (`layer_out(attn, x, o, post_norm, gate_up,
+    down, next_norm, gate_up_size, eps) -> (h, x)`: the output product and residual add with
+    the norm after it, the MLP and its add with the next norm), bit for bit those ops one by
+    one, or None as `paged_decode()`."""
+    return torch.ops.kvcache.layer_out if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -159,7 +177,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "write_kv"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "layer_out"):
         return True, None
     try:
         from torch.utils import cpp_extension

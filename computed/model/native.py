@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from computed import kernels
-from computed.attention import AttentionBatch, attend, paged_attention, write_new_kv
+from computed.attention import AttentionBatch, attend
 from computed.kv_pool import KVPool
 from computed.output_rows import OutputRows
 
@@ -61,27 +61,31 @@ class NativeForward:
     vocab_size: int
     eps: float
     rotary: torch.nn.Module  # the model's RotaryEmbedding (its cos/sin tables)
-    ops: tuple[Callable, ...]  # rms_norm, add_rms_norm, rotary, silu_mul, packed_linear
-    # packed_linear_swiglu: a layer whose intermediate size is a multiple of 16 runs its
-    # gate/up product and activation as one op (bit for bit the two; the (T, 2I) product
+    ops: tuple[Callable, Callable]  # rms_norm, packed_linear
+    # layer_qkv, layer_out (computed/kernels/layer.cpp): a layer's ops before and after its
+    # attention, each one call (a layer's Python between its ops was 26% of a decode step).
+    # A layer whose intermediate size is a multiple of 32 runs its gate/up product and
+    # activation as one op (packed_linear_swiglu, bit for bit the two; the (T, 2I) product
     # never reaches memory: a 2,048-token prefill step 3-6% faster, packed_linear.cpp says).
-    swiglu: Callable
+    layer_ops: tuple[Callable, Callable]
+    next_norms: tuple[torch.Tensor, ...]  # (hidden,) per layer: the next one's input norm, the final one last
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeForward | None:
         """From a fused, packed `CausalLM`; None where some part cannot run natively
         (another device or dtype, no kernels, an unfused or unpacked product)."""
-        ops = (
-            kernels.rms_norm(),
+        # The ops layer.cpp composes, then the ones called from here.
+        needed = (
             kernels.add_rms_norm(),
             kernels.rotary(),
             kernels.silu_mul(),
-            kernels.packed_linear(),
+            kernels.packed_linear_swiglu(),
+            kernels.write_kv(),
         )
-        swiglu = kernels.packed_linear_swiglu()
+        ops = (kernels.rms_norm(), kernels.packed_linear())
+        layer_ops = (kernels.layer_qkv(), kernels.layer_out())
         if (
-            any(op is None for op in ops)
-            or swiglu is None
+            any(op is None for op in (*needed, *ops, *layer_ops))
             or model.lm_head.packed is None
             or model.lm_head.bias is not None
         ):
@@ -130,8 +134,9 @@ class NativeForward:
             vocab_size=model.config.vocab_size,
             eps=norms[0].eps,
             rotary=model.rotary,
-            ops=tuple(op.default for op in ops),
-            swiglu=swiglu.default,
+            ops=(ops[0].default, ops[1].default),
+            layer_ops=(layer_ops[0].default, layer_ops[1].default),
+            next_norms=tuple(layer.input_norm for layer in layers[1:]) + (model.model.norm.weight.detach(),),
         )
 
     def forward(
@@ -144,41 +149,50 @@ class NativeForward:
         Each residual add runs with the norm after it (`add_rms_norm`: the sum as torch adds,
         then the same norm), so a layer is its modules' `x + attn(norm(x))`, then
         `x + mlp(norm(x))`, with the next layer's input norm (or the final one) taken last."""
-        rms, add_rms, rotary, silu_mul, product = self.ops
-        eps, hidden = self.eps, self.hidden_size
+        rms = self.ops[0]
+        layer_qkv, layer_out = self.layer_ops
+        eps = self.eps
         x = self.embed.index_select(0, input_ids)  # (T, hidden): the residual stream
-        num_tokens = x.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
         h = rms(x, self.layers[0].input_norm, eps)
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        for layer, next_norm in zip(self.layers, next_norms):
-            sizes = layer.split_sizes
-            q, k, v = product(h, layer.qkv, layer.qkv_bias, sizes[0] + sizes[1] + sizes[2]).split(
-                sizes, dim=-1
-            )
-            q = q.view(num_tokens, layer.num_heads, layer.head_dim)  # (T, H, D)
-            k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)  # (T, Hkv, D)
-            v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-            if layer.q_norm is not None:
-                q, k = rms(q.contiguous(), layer.q_norm, eps), rms(k.contiguous(), layer.k_norm, eps)
-            q, k = rotary(q, k, cos, sin)
+        # Every token's K/V is written but a fully cached prompt's recomputed last position.
+        write_index = None if batch.write_slots.shape[0] == batch.num_tokens else batch.write_token_index
+        for layer, next_norm in zip(self.layers, self.next_norms):
+            q = layer_qkv(
+                h,
+                layer.qkv,
+                layer.qkv_bias,
+                layer.q_norm,
+                layer.k_norm,
+                cos,
+                sin,
+                pool.kv,
+                layer.layer_idx,
+                batch.write_slots,
+                write_index,
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                eps,
+            )  # (T, H, D), the new K/V in the pool
             if read is not None and layer is self.layers[-1]:
-                write_new_kv(k, v, layer.layer_idx, batch, pool)
                 if read.batch is None:
-                    return h.new_empty(0, hidden)
+                    return h.new_empty(0, self.hidden_size)
                 q, x = q.index_select(0, read.rows), x.index_select(0, read.rows)  # (S, H, D), (S, hidden)
-                num_tokens = x.shape[0]
                 out = attend(q, layer.layer_idx, read.batch, pool, layer.scale)  # (S, H, D)
             else:
-                out = paged_attention(q, k, v, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
-            h, x = add_rms(
-                x, product(out.reshape(num_tokens, sizes[0]), layer.o, None, hidden), layer.post_norm, eps
+                out = attend(q, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
+            h, x = layer_out(
+                out,
+                x,
+                layer.o,
+                layer.post_norm,
+                layer.gate_up,
+                layer.down,
+                next_norm,
+                layer.gate_up_size,
+                eps,
             )
-            if layer.gate_up_size % 32 == 0:
-                up = self.swiglu(h, layer.gate_up, layer.gate_up_size)
-            else:
-                up = silu_mul(product(h, layer.gate_up, None, layer.gate_up_size))
-            h, x = add_rms(x, product(up, layer.down, None, hidden), next_norm, eps)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
