@@ -11,6 +11,7 @@
 // and the attention. Interleaved A/B, best of 3 runs (standalone `run_steps`): 8 rows x
 // 1,100 keys 1.35 -> 1.30 ms a step, 1 row 0.64 -> 0.57 ms, 64 rows over a shared 1,024
 // keys 4.68 -> 4.55 ms; the daemons' chat workload within this machine's noise.
+// `python -m bench.attention_kernels` (decode steps block) times the same step.
 //
 // kvcache::layer_qkv(h, qkv, bias, q_norm, k_norm, cos, sin, kv, layer, write_slots,
 //                    write_index, num_heads, num_kv_heads, head_dim, eps) -> q

@@ -41,7 +41,6 @@ class NativeLayer:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: torch.Tensor  # packed (2 * intermediate, hidden)
     down: torch.Tensor  # packed (hidden, intermediate)
-    split_sizes: tuple[int, int, int]  # q_size, kv_size, kv_size
     gate_up_size: int  # 2 * intermediate
     num_heads: int
     num_kv_heads: int
@@ -68,14 +67,14 @@ class NativeForward:
     # activation as one op (packed_linear_swiglu, bit for bit the two; the (T, 2I) product
     # never reaches memory: a 2,048-token prefill step 3-6% faster, packed_linear.cpp says).
     layer_ops: tuple[Callable, Callable]
-    next_norms: tuple[torch.Tensor, ...]  # (hidden,) per layer: the next one's input norm, the final one last
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeForward | None:
         """From a fused, packed `CausalLM`; None where some part cannot run natively
         (another device or dtype, no kernels, an unfused or unpacked product)."""
-        # The ops layer.cpp composes, then the ones called from here.
-        needed = (
+        # The ops layer.cpp composes, each asked for: a caller can withhold one (the
+        # native activations, tests/computed/test_model.py), and then none runs here.
+        composed = (
             kernels.add_rms_norm(),
             kernels.rotary(),
             kernels.silu_mul(),
@@ -85,7 +84,7 @@ class NativeForward:
         ops = (kernels.rms_norm(), kernels.packed_linear())
         layer_ops = (kernels.layer_qkv(), kernels.layer_out())
         if (
-            any(op is None for op in (*needed, *ops, *layer_ops))
+            any(op is None for op in (*composed, *ops, *layer_ops))
             or model.lm_head.packed is None
             or model.lm_head.bias is not None
         ):
@@ -112,7 +111,6 @@ class NativeForward:
                     post_norm=layer.post_attention_layernorm.weight.detach(),
                     gate_up=mlp.gate_up_packed,
                     down=mlp.down_proj.packed,
-                    split_sizes=tuple(attn.split_sizes),
                     gate_up_size=mlp.gate_up_weight.shape[0],
                     num_heads=attn.num_heads,
                     num_kv_heads=attn.num_kv_heads,
@@ -136,7 +134,6 @@ class NativeForward:
             rotary=model.rotary,
             ops=(ops[0].default, ops[1].default),
             layer_ops=(layer_ops[0].default, layer_ops[1].default),
-            next_norms=tuple(layer.input_norm for layer in layers[1:]) + (model.model.norm.weight.detach(),),
         )
 
     def forward(
@@ -157,7 +154,8 @@ class NativeForward:
         h = rms(x, self.layers[0].input_norm, eps)
         # Every token's K/V is written but a fully cached prompt's recomputed last position.
         write_index = None if batch.write_slots.shape[0] == batch.num_tokens else batch.write_token_index
-        for layer, next_norm in zip(self.layers, self.next_norms):
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, next_norm in zip(self.layers, next_norms):
             q = layer_qkv(
                 h,
                 layer.qkv,
