@@ -5,7 +5,8 @@ Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
 `pack_linear_weight_bf16()`, `pack_linear_weight_bf16_dot()` and `packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
 `add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
 (silu_mul.cpp), `argmax_rows()` (argmax.cpp), `write_kv()` (kv_write.cpp), and
-`layer_qkv()` and `layer_out()` (layer.cpp: a decoder layer's ops around its attention); or None
+`layer_qkv()` and `layer_out()` (layer.cpp: a decoder layer's ops around its attention),
+`forward_layers()` (forward.cpp: every layer of a step, attention included); or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
 `COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
 results (attention, linear, norms and activation up to float rounding, rotary bit for
@@ -37,6 +38,7 @@ SOURCES = tuple(
         "argmax.cpp",
         "kv_write.cpp",
         "layer.cpp",
+        "forward.cpp",
     )
 )
 ENV = "COMPUTED_CPU_KERNELS"
@@ -164,6 +166,15 @@ def layer_out() -> Callable | None:
     return torch.ops.kvcache.layer_out if _loaded()[0] else None
 
 
+def forward_layers() -> Callable | None:
+    """Every decoder layer of a step in one call (`forward_layers(x, h, layers, bias, q_norm,
+    k_norm, layer_ids, num_heads, num_kv_heads, head_dim, gate_up_size, scale, eps, cos, sin,
+    kv, write_slots, write_index, tiles, causal, in_order, merge_index) -> h`: layer_qkv, the
+    attention of every tile by paged_decode or paged_flash, merged or placed, then layer_out,
+    per layer), bit for bit those ops one by one, or None as `paged_decode()`."""
+    return torch.ops.kvcache.forward_layers if _loaded()[0] else None
+
+
 def error() -> str | None:
     """Why the ops are None (None when they loaded)."""
     return _loaded()[1]
@@ -177,7 +188,7 @@ def _loaded() -> tuple[bool, str | None]:
 def _load() -> tuple[bool, str | None]:
     if not enabled():
         return False, f"{ENV}=0"
-    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "layer_out"):
+    if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "forward_layers"):
         return True, None
     try:
         from torch.utils import cpp_extension

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from computed import kernels
-from computed.attention import AttentionBatch, attend
+from computed.attention import NATIVE_POOL_DTYPES, AttentionBatch, attend
 from computed.kv_pool import KVPool
 from computed.output_rows import OutputRows
 
@@ -67,6 +67,11 @@ class NativeForward:
     # activation as one op (packed_linear_swiglu, bit for bit the two; the (T, 2I) product
     # never reaches memory: a 2,048-token prefill step 3-6% faster, packed_linear.cpp says).
     layer_ops: tuple[Callable, Callable]
+    # kvcache::forward_layers (computed/kernels/forward.cpp) and the layers' tensors as it
+    # takes them, built once: a step's every layer, attention included, in one call where
+    # the layers share their shapes and the native attention kernels take them (else None:
+    # the loop below). A decode step's Python between its ops was 19.5% of it after layer_ops.
+    whole: tuple[Callable, tuple] | None = None
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeForward | None:
@@ -124,6 +129,7 @@ class NativeForward:
         ):
             return None
         return cls(
+            whole=cls._whole(layers, model.model.norm.weight.detach()),
             embed=model.model.embed_tokens.weight.detach(),
             layers=tuple(layers),
             final_norm=model.model.norm.weight.detach(),
@@ -135,6 +141,37 @@ class NativeForward:
             ops=(ops[0].default, ops[1].default),
             layer_ops=(layer_ops[0].default, layer_ops[1].default),
         )
+
+    @staticmethod
+    def _whole(layers: list[NativeLayer], final_norm: torch.Tensor) -> tuple[Callable, tuple] | None:
+        op = kernels.forward_layers()
+        attention = (kernels.paged_decode(), kernels.paged_flash(), kernels.merge_partials())
+        shapes = {(la.num_heads, la.num_kv_heads, la.head_dim, la.gate_up_size, la.scale) for la in layers}
+        if op is None or any(a is None for a in attention) or len(shapes) != 1:
+            return None
+        num_heads, num_kv_heads, head_dim, gate_up_size, scale = shapes.pop()
+        # paged_flash's limits (as attention._attend_tile checks them).
+        if head_dim % 8 != 0 or num_heads // num_kv_heads > 64:
+            return None
+        next_norms = [la.input_norm for la in layers[1:]] + [final_norm]
+        flat = [
+            t
+            for la, next_norm in zip(layers, next_norms)
+            for t in (la.qkv, la.o, la.post_norm, la.gate_up, la.down, next_norm)
+        ]
+        args = (
+            flat,
+            [la.qkv_bias for la in layers],
+            [la.q_norm for la in layers],
+            [la.k_norm for la in layers],
+            [la.layer_idx for la in layers],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            gate_up_size,
+            scale,
+        )
+        return op.default, args
 
     def forward(
         self, input_ids: torch.Tensor, batch: AttentionBatch, pool: KVPool, read: OutputRows | None = None
@@ -154,6 +191,13 @@ class NativeForward:
         h = rms(x, self.layers[0].input_norm, eps)
         # Every token's K/V is written but a fully cached prompt's recomputed last position.
         write_index = None if batch.write_slots.shape[0] == batch.num_tokens else batch.write_token_index
+        if read is None and self.whole is not None and pool.kv.dtype in NATIVE_POOL_DTYPES:
+            op, args = self.whole
+            tiles, causal, in_order = batch.native_tiles
+            return op(
+                x, h, *args, eps, cos, sin, pool.kv, batch.write_slots, write_index, tiles, causal, in_order,
+                batch.merge_index,
+            )  # fmt: skip
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, next_norm in zip(self.layers, next_norms):
             q = layer_qkv(

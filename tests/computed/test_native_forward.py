@@ -1,11 +1,13 @@
 """`NativeForward` (the CPU float32 forward over plain tensors) against the modules' own
 forward: the same ops in the same order, so bit for bit the same hidden states, logits
 and pool contents, for every model family and every kind of step (prefill, decode,
-cascaded shared prefixes, a fully cached prompt that writes nothing)."""
+cascaded shared prefixes, a fully cached prompt that writes nothing); and the whole step
+in one op (`kvcache::forward_layers`) against the layer loop it replaces."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -70,10 +72,21 @@ def forward_path(model: torch.nn.Module, native: bool) -> Iterator[None]:
         model.native = saved
 
 
-def run(loaded, native: bool) -> tuple[list[torch.Tensor], KVPool]:
+@contextlib.contextmanager
+def layer_loop(model: torch.nn.Module) -> Iterator[None]:
+    """Within: the native forward runs its layer loop, not `kvcache::forward_layers`."""
+    saved = model.native
+    model.native = dataclasses.replace(saved, whole=None)
+    try:
+        yield
+    finally:
+        model.native = saved
+
+
+def run(loaded, native: bool, pool_dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], KVPool]:
     model, c = loaded.model, loaded.config
     with forward_path(model, native):
-        pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, CPU)
+        pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, pool_dtype, CPU)
         outs = []
         for spans, ids in steps(c.vocab_size):
             # min_decode_segment_reads=0: every shared run is cascaded, merges included.
@@ -105,3 +118,16 @@ def test_native_forward_needs_every_product_packed(loaded) -> None:
     finally:
         model.lm_head.packed = packed
     assert NativeForward.build(model) is not None
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_whole_step_op_is_the_layer_loop_bit_for_bit(loaded, pool_dtype: torch.dtype) -> None:
+    """Every step kind (decode tiles, causal chunks, cascaded segments merged, rows placed)
+    through `kvcache::forward_layers` and through the loop of layer ops and `attend`."""
+    assert loaded.model.native.whole is not None, "every variant's shapes take the one-op step"
+    whole, whole_pool = run(loaded, native=True, pool_dtype=pool_dtype)
+    with layer_loop(loaded.model):
+        looped, looped_pool = run(loaded, native=True, pool_dtype=pool_dtype)
+    for got, want in zip(whole, looped, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(whole_pool.kv, looped_pool.kv)
