@@ -70,7 +70,9 @@ class NativeForward:
     # kvcache::forward_layers (computed/kernels/forward.cpp) and the layers' tensors as it
     # takes them, built once: a step's every layer, attention included, in one call where
     # the layers share their shapes and the native attention kernels take them (else None:
-    # the loop below). A decode step's Python between its ops was 19.5% of it after layer_ops.
+    # the loop below). Steps that read every row (decode steps) take it; a step whose last
+    # layer runs for its sampled rows only keeps the loop. A standalone decode burst, 8 rows
+    # x 1,100 keys, interleaved with the loop's build: 1.39-1.48 -> 1.24-1.28 ms a step.
     whole: tuple[Callable, tuple] | None = None
 
     @classmethod
