@@ -129,13 +129,6 @@ class Tile:
             .to(self.key_lens.device)
         )
 
-    @functools.cached_property
-    def native_args(self) -> tuple[torch.Tensor, ...]:
-        """The tile as `kvcache::forward_layers` takes it: query_rows, key_slots (I, Lm),
-        key_lens, valid, valid_rows (built on first use, once per tile)."""
-        slots = self.key_slots.view(self.num_items, self.num_keys)
-        return (self.query_rows, slots, self.key_lens, self.valid, self.valid_rows)
-
     @classmethod
     def from_plan(cls, plan: TilePlan, device: torch.device, num_tokens: int) -> Tile:
         num_items, width_q = plan.query_rows.shape
@@ -188,9 +181,20 @@ class AttentionBatch:
 
     @functools.cached_property
     def native_tiles(self) -> tuple[list[torch.Tensor], list[bool], list[bool]]:
-        """The tiles as `kvcache::forward_layers` takes them: each tile's `native_args`
-        concatenated, then causal and in_order per tile (built on first use, once per step)."""
-        flat = [t for tile in self.tiles for t in tile.native_args]
+        """The tiles as `kvcache::forward_layers` takes them: each tile's query_rows, key_slots
+        (I, Lm), key_lens, valid and valid_rows concatenated, then causal and in_order per
+        tile (built on first use, once per step)."""
+        flat = [
+            t
+            for tile in self.tiles
+            for t in (
+                tile.query_rows,
+                tile.key_slots.view(tile.num_items, tile.num_keys),
+                tile.key_lens,
+                tile.valid,
+                tile.valid_rows,
+            )
+        ]
         return flat, [tile.causal for tile in self.tiles], [tile.in_order for tile in self.tiles]
 
     @property
