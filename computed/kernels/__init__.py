@@ -10,23 +10,34 @@ Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
 `COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
 results (attention, linear, norms and activation up to float rounding, rotary bit for
-bit). The build (about a minute on two cores) is cached under
-torch's extensions directory (`TORCH_EXTENSIONS_DIR`); `make install` builds it ahead
-(`python -m computed.kernels`), so a daemon's start-up only loads it.
+bit).
+
+The build (about a minute on two cores) goes to a folder of its own keyed by everything that
+changes the library: the sources and headers, the compiler flags, the compiler, torch's and
+Python's versions and the CPU's instruction sets (`build_dir()`). The folder lies under the
+checkout's `build/kernels/` (or `COMPUTED_KERNEL_BUILD_DIR`, else `TORCH_EXTENSIONS_DIR`,
+else `~/.cache/kvcache/kernels` for an installed package), so two checkouts never rebuild
+each other's kernels, and a start that finds the folder's library complete loads it without
+running the compiler or ninja at all. `make install` builds it ahead (`python -m
+computed.kernels`), so a daemon's start-up only loads it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
 SOURCES = tuple(
-    Path(__file__).resolve().parent / name
+    HERE / name
     for name in (
         "paged_decode.cpp",
         "paged_flash.cpp",
@@ -44,9 +55,13 @@ SOURCES = tuple(
 ENV = "COMPUTED_CPU_KERNELS"
 # Extra compiler flags for the build, after -march=native: "-mno-avx512f" builds the
 # 8-lane (AVX2) paths, "-mno-avx512bf16" the 16-lane ones without the bfloat16 dot
-# products, as an older CPU would run them (tests/computed/test_kernel_isas.py). Set
-# TORCH_EXTENSIONS_DIR apart with it: the build replaces the one in the usual place.
+# products, as an older CPU would run them (tests/computed/test_kernel_isas.py). They are
+# part of the build folder's key, so each variant builds apart from the others.
 FLAGS_ENV = "COMPUTED_CPU_KERNEL_FLAGS"
+BUILD_DIR_ENV = "COMPUTED_KERNEL_BUILD_DIR"
+NAME = "kvcache_cpu"
+# Written after a build loaded: a library without it may still be half linked.
+_DONE = "built"
 
 
 def enabled() -> bool:
@@ -180,6 +195,60 @@ def error() -> str | None:
     return _loaded()[1]
 
 
+def cflags() -> list[str]:
+    # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the same libgomp);
+    # -march=native: AVX2/AVX-512 for the dot products (built on the machine that runs it).
+    return ["-O3", "-fopenmp", "-march=native", *os.environ.get(FLAGS_ENV, "").split()]
+
+
+def build_root() -> Path:
+    """Where the keyed build folders live: `COMPUTED_KERNEL_BUILD_DIR`, else
+    `TORCH_EXTENSIONS_DIR`, else the checkout's `build/kernels` (git ignores `/build/`), else
+    (an installed package) the user's cache."""
+    for env in (BUILD_DIR_ENV, "TORCH_EXTENSIONS_DIR"):
+        if os.environ.get(env):
+            return Path(os.environ[env])
+    checkout = HERE.parents[1]
+    if (checkout / "pyproject.toml").is_file() and os.access(checkout, os.W_OK):
+        return checkout / "build" / "kernels"
+    return Path.home() / ".cache" / "kvcache" / "kernels"
+
+
+def build_key() -> str:
+    """A digest of everything the library depends on: equal keys mean a library built for one
+    serves the other (so checkouts with the same sources may share a root safely)."""
+    digest = hashlib.sha256()
+    for path in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or ""
+    facts = [
+        " ".join(cflags()),
+        os.path.realpath(compiler) if compiler else "",
+        torch.__version__,
+        sys.version,
+        platform.machine(),
+        _cpu_flags(),
+    ]
+    digest.update("\0".join(facts).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """This build's folder: `build_root() / build_key()`."""
+    return build_root() / build_key()
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction sets (a -march=native library may not run on another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 @functools.cache
 def _loaded() -> tuple[bool, str | None]:
     return _load()
@@ -191,18 +260,25 @@ def _load() -> tuple[bool, str | None]:
     if hasattr(torch.ops, "kvcache") and hasattr(torch.ops.kvcache, "forward_layers"):
         return True, None
     try:
+        folder = build_dir()
+        library = folder / f"{NAME}.so"
+        if (folder / _DONE).is_file() and library.is_file():
+            # Built before for exactly these sources, flags, compiler and CPU: no ninja run.
+            torch.ops.load_library(str(library))
+            return True, None
         from torch.utils import cpp_extension
 
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name="kvcache_cpu",
+            name=NAME,
             sources=[str(source) for source in SOURCES],
-            # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the same libgomp);
-            # -march=native: AVX2/AVX-512 for the dot products (built on the machine that runs it).
-            extra_cflags=["-O3", "-fopenmp", "-march=native", *os.environ.get(FLAGS_ENV, "").split()],
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
             is_python_module=False,
             verbose=False,
         )
+        (folder / _DONE).write_text(" ".join(cflags()) + "\n")
     except Exception as exc:  # noqa: BLE001 - any build failure means: use torch's kernels
         return False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     return True, None

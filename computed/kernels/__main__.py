@@ -13,8 +13,8 @@ def main() -> int:
         print(f"native CPU kernels unavailable ({kernels.error()}); computed uses torch's kernels")
         return 0
     print(
-        "native CPU kernels ready: kvcache::paged_decode, kvcache::paged_flash, kvcache::packed_linear, "
-        "kvcache::rotary, kvcache::rms_norm, kvcache::merge_partials, kvcache::silu_mul"
+        f"native CPU kernels ready in {kernels.build_dir()} (kvcache::paged_decode, paged_flash, packed_linear, "
+        "rotary, rms_norm, merge_partials, silu_mul, write_kv, layer_qkv, layer_out, forward_layers)"
     )
     return 0
 
