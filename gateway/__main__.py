@@ -59,8 +59,16 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--computed",
         action="append",
         default=None,
-        help="computed address; repeat or comma-separate for several (default 127.0.0.1:50052) "
-        "[env GATEWAY_COMPUTED]",
+        help="computed address; repeat or comma-separate for several (default: none with --discover "
+        "and --blockd, else 127.0.0.1:50052) [env GATEWAY_COMPUTED]",
+    )
+    p.add_argument(
+        "--discover",
+        action=argparse.BooleanOptionalAction,
+        default=_env("GATEWAY_DISCOVER", "1") not in ("0", "false", "no", "off"),
+        help="also serve the workers blockd lists (its live pools' worker addresses, read every second): "
+        "scaling workers needs no restart; ListPools is an admin call (--blockd-admin-token) "
+        "[env GATEWAY_DISCOVER=0|1]",
     )
     p.add_argument(
         "--routing",
@@ -168,7 +176,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         return GatewayConfig(
             listen=a.listen,
             blockd=a.blockd or None,
-            computed=_addresses(computed, "127.0.0.1:50052"),
+            computed=_addresses(computed, "" if a.discover and a.blockd else "127.0.0.1:50052"),
+            discover=a.discover,
             routing=a.routing,
             api_keys=keys,
             public_prefix_tokens=a.public_prefix_tokens,

@@ -34,6 +34,9 @@ class GatewayConfig:
     request_timeout: float = 600.0
     # Deadline of Tokenize/Route/GetModelInfo; blockd slower than this is skipped.
     route_timeout: float = 1.0
+    # Serve blockd's live pools' workers too (their announced addresses, read by ListPools every
+    # second): scaling the workers needs no restart. Needs blockd (and its admin token if it has one).
+    discover: bool = True
     # blockd's route token (blockd --route-token), sent on Route.
     route_token: str | None = None
     # The directory mirror (gateway.mirror): blockd's block index kept here from its event
@@ -60,8 +63,10 @@ class GatewayConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"--listen must be HOST:PORT, got {self.listen!r}")
-        if not self.computed:
-            raise ValueError("need at least one --computed address")
+        if not self.computed and not (self.blockd and self.discover):
+            raise ValueError(
+                "need a --computed address, or --blockd with --discover to learn the workers from it"
+            )
         for address in (*self.computed, *([self.blockd] if self.blockd else [])):
             if address.rpartition(":")[2] == "" or "://" in address:
                 raise ValueError(f"daemon addresses are HOST:PORT, got {address!r}")

@@ -18,7 +18,14 @@ routed" overhead with the mirror against `--no-mirror` (a Route round trip per r
 about 1 ms on the 2-core bench machine), and the mirror's own answer time by prompt length
 (about 15 us for 48 tokens, 280 us for a cached 4,096-token prompt).
 
-A worker found unreachable is marked down and skipped until its GetModelInfo answers again.
+Which workers there are: the static `--computed` list, plus (`--discover`, the default with
+blockd) the live pools' worker addresses blockd lists (`gateway.discovery`), so scaling the
+workers needs no gateway restart. Every `REFRESH_SECONDS` each worker's GetModelInfo is
+asked again: one that does not answer within `route_timeout` is marked down (`/health`
+then counts it out within about two refreshes) and skipped until it answers again; a
+discovered worker that blockd no longer lists as live and that does not answer is dropped
+(its channel closed once its requests are done). A request that finds a worker unreachable
+marks it down at once.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from clients.routing import normalize_address
 from clients.types import ModelInfo, Route
 from gateway import metrics
 from gateway.config import GatewayConfig
+from gateway.discovery import PoolDiscovery
 from gateway.errors import NOT_FOUND, RATE_LIMITED, UNAVAILABLE, ApiError
 from gateway.mirror import DirectoryMirror
 from gateway.mirror_feed import MirrorFeed
@@ -48,7 +56,12 @@ from gateway.tokenizer import LocalTokenizer, load_tokenizers
 from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2_grpc
 
 log = structlog.get_logger("gateway")
-REFRESH_SECONDS = 2.0
+# How often every worker is probed and blockd's pools read: a dead worker is counted out of
+# /health within about this plus route_timeout.
+REFRESH_SECONDS = 1.0
+# Probes in a row that may time out before a worker is marked down: a worker busy with a long
+# step may answer late, while one that is gone is refused at once (UNAVAILABLE: down now).
+SLOW_PROBES_TOLERATED = 2
 
 
 @dataclass
@@ -61,6 +74,9 @@ class Worker:
     # Requests in flight without a first token yet, and their uncached prompt tokens (where known).
     num_waiting: int = 0
     queued_prefill_tokens: int = 0
+    # Learnt from blockd's pools (not --computed): dropped when blockd no longer lists it and it is down.
+    is_discovered: bool = False
+    num_slow_probes: int = 0  # probes in a row that timed out
     normalized_address: str = dataclasses.field(init=False, default="")  # as blockd's pools announce it
 
     def __post_init__(self) -> None:
@@ -108,16 +124,22 @@ class Fleet:
         self.mirror: DirectoryMirror | None = None
         self._feed: MirrorFeed | None = None
         self.tokenizers: dict[str, LocalTokenizer] = load_tokenizers(dict(config.tokenizers))
+        self._discovery: PoolDiscovery | None = None
+        self._retired: list[Worker] = []  # dropped, their channels closed once idle
 
     # ------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
         """Open the channels (inside the serving loop) and learn each worker's model."""
         for address in self.config.computed:
-            channel = open_aio_channel(address)
-            self.workers.append(Worker(address, generation_pb2_grpc.GenerationServiceStub(channel), channel))
-        if self.config.blockd and self.policy.uses_cache:
+            self._add(address, is_discovered=False)
+        if self.config.blockd and (self.policy.uses_cache or self.config.discover):
             self._blockd_channel = open_aio_channel(self.config.blockd)
+        if self._blockd_channel is not None and self.config.discover:
+            self._discovery = PoolDiscovery(
+                self._blockd_channel, self.config.blockd_admin_token, self.config.route_timeout
+            )
+        if self._blockd_channel is not None and self.policy.uses_cache:
             self._route_stub = directory_pb2_grpc.RoutingServiceStub(self._blockd_channel)
             if self.config.mirror:
                 self.mirror = DirectoryMirror(self.config.mirror_max_blocks)
@@ -131,24 +153,61 @@ class Fleet:
             self._refresher.cancel()
         if self._feed is not None:
             await self._feed.close()
-        for worker in self.workers:
+        for worker in (*self.workers, *self._retired):
             await worker.channel.close()
         if self._blockd_channel is not None:
             await self._blockd_channel.close()
 
     async def refresh(self) -> None:
-        """Ask every worker without known model for its ModelInfo."""
-        await asyncio.gather(*(self._learn(w) for w in self.workers if w.info is None))
+        """Learn blockd's live workers (discovery), then ask every worker for its ModelInfo:
+        an answer marks it up, silence marks it down; drop the discovered workers that are
+        down and that blockd no longer lists."""
+        live = await self._discovery.addresses() if self._discovery is not None else None
+        if live is not None:
+            known = {w.normalized_address for w in self.workers}
+            for address in live:
+                if address not in known:
+                    self._add(address, is_discovered=True)
+        await asyncio.gather(*(self._probe(w) for w in self.workers))
+        if live is not None:
+            gone = [
+                w
+                for w in self.workers
+                if w.is_discovered and w.info is None and w.normalized_address not in live
+            ]
+            for worker in gone:
+                log.info("worker dropped: blockd lists no live pool there", worker=worker.address)
+                self.workers.remove(worker)
+                self._retired.append(worker)
+        for worker in [w for w in self._retired if w.inflight == 0]:
+            self._retired.remove(worker)
+            await worker.channel.close()
 
-    async def _learn(self, worker: Worker) -> None:
+    def _add(self, address: str, *, is_discovered: bool) -> None:
+        channel = open_aio_channel(address)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        self.workers.append(Worker(address, stub, channel, is_discovered=is_discovered))
+        if is_discovered:
+            log.info("worker discovered", worker=address)
+
+    async def _probe(self, worker: Worker) -> None:
         call = core.model_info(self.config.route_timeout)
         try:
             reply = await worker.stub.GetModelInfo(call.request, timeout=self.config.route_timeout)
         except grpc.RpcError as error:
             log.debug("worker not answering", worker=worker.address, code=str(error.code()))
+            worker.num_slow_probes += error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if (
+                error.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+                or worker.num_slow_probes > SLOW_PROBES_TOLERATED
+            ):
+                self.mark_down(worker)
             return
+        worker.num_slow_probes = 0
+        was_down = worker.info is None
         worker.info = ModelInfo.from_proto(reply)
-        log.info("worker up", worker=worker.address, model=worker.model)
+        if was_down:
+            log.info("worker up", worker=worker.address, model=worker.model)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -89,6 +89,7 @@ async def _announce(server: uvicorn.Server, config: GatewayConfig, address: str)
         "gateway serving",
         address=f"http://{address}",
         computed=list(config.computed),
+        discover=bool(config.blockd and config.discover),
         blockd=config.blockd,
         routing=config.routing,
     )
