@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from computed.config import (
     LOG_FORMATS,
     WORKER_TOKEN_ENV,
     ComputedConfig,
+    resolve_model,
 )
 
 
@@ -47,8 +49,16 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
     p.add_argument(
         "--model",
         default=_env("COMPUTED_MODEL", str(DEFAULT_MODEL_DIR)),
-        help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json); "
-        "default: the built-in model [env COMPUTED_MODEL]",
+        help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json), or a hub id "
+        "already in the local hub cache (computed never downloads); default: the built-in model "
+        "[env COMPUTED_MODEL]",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=_env("COMPUTED_SERVED_MODEL_NAME"),
+        help="the model id clients name in requests (default: the checkpoint's `_name_or_path` when it "
+        "names a hub repo, else the hub cache's repo name, else the folder's name) "
+        "[env COMPUTED_SERVED_MODEL_NAME]",
     )
     p.add_argument(
         "--device",
@@ -94,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         "--gpu-memory-utilization",
         type=float,
         default=float(_env("COMPUTED_GPU_MEMORY_UTILIZATION", "0.9")),
-        help="fraction of free GPU memory for the KV pool [env COMPUTED_GPU_MEMORY_UTILIZATION]",
+        help="share of the GPU's total memory this process may use, as vLLM's flag: the KV pool gets it "
+        "less what the loaded weights use [env COMPUTED_GPU_MEMORY_UTILIZATION]",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -124,8 +135,9 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
     p.add_argument(
         "--worker-address",
         default=_env("COMPUTED_WORKER_ADDRESS"),
-        help="address announced to blockd for routing (default: the bound address) "
-        "[env COMPUTED_WORKER_ADDRESS]",
+        help="address announced to blockd, where the gateway and clients reach this worker (default: the "
+        "bound address; a wildcard host such as 0.0.0.0 becomes this host's address, its container or "
+        "pod IP) [env COMPUTED_WORKER_ADDRESS]",
     )
     p.add_argument(
         "--ready-file",
@@ -220,7 +232,8 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         return ComputedConfig(
             listen=a.listen,
             blockd=a.blockd,
-            model=Path(a.model),
+            model=resolve_model(a.model),
+            served_model_name=a.served_model_name or None,
             device=a.device,
             dtype=a.dtype,
             block_size=a.block_size,
@@ -234,7 +247,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             decode_steps=a.decode_steps,
             forward_on=a.forward_on,
             max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
-            worker_address=a.worker_address,
+            worker_address=announced_address(a.worker_address, a.listen),
             ready_file=_optional_path(a.ready_file),
             log_format=a.log_format,
             metrics_port=int(a.metrics_port) if a.metrics_port is not None else None,
@@ -256,11 +269,34 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         p.error(str(exc))
 
 
+def announced_address(worker_address: str | None, listen: str) -> str | None:
+    """The address to announce: a wildcard host (0.0.0.0, ::, or none) in --worker-address, or
+    in a fixed-port --listen when no --worker-address is given, becomes this host's address
+    (what its hostname resolves to: the container's or pod's IP), so workers scaled from one
+    template register where they are reached. None: the bound address (server.py)."""
+    address = worker_address or (None if listen.startswith("unix:") else listen)
+    if address is None:
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or host.strip("[]") not in ("", "0.0.0.0", "::"):
+        return worker_address
+    if port == "0":
+        return worker_address
+    return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
+    from computed.model.config import UnsupportedModelError
+    from computed.model.loader import CheckpointError
     from computed.server import serve  # heavy imports (torch) only after --help
 
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config))
+    except (UnsupportedModelError, CheckpointError, FileNotFoundError) as error:
+        # A checkpoint this server cannot run: one line naming the file and the fix, no traceback.
+        sys.stderr.write(f"computed: {error}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,10 @@ class ComputedConfig:
     listen: str = "127.0.0.1:50052"
     blockd: str = "127.0.0.1:50051"
     model: Path = DEFAULT_MODEL_DIR
+    # The model id clients name in requests (and the gateway lists in /v1/models); None: the
+    # checkpoint's own (`_name_or_path` when it names a hub repo, else the HF cache's repo name,
+    # else the folder's name). Part of the cache namespace, as vLLM's --served-model-name.
+    served_model_name: str | None = None
     device: str = "auto"
     # auto: float32 on CPU (exactness against the reference), bfloat16 on CUDA.
     dtype: str = "auto"
@@ -31,6 +36,9 @@ class ComputedConfig:
     # gpu_memory_utilization (CUDA).
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # As vLLM's flag: the share of the GPU's total memory this process may use. The pool gets
+    # this share of the total less what is in use once the weights are loaded (activations
+    # are not profiled ahead as vLLM does: the 10% left over is their headroom).
     gpu_memory_utilization: float = 0.9
     # The host tier (a second KV store in host memory, pinned on CUDA) in bytes; 0
     # disables it. None: on CUDA twice the device pool, at most half the host memory
@@ -131,5 +139,52 @@ class ComputedConfig:
             raise ValueError("--shared-tier-load-seconds must be >= 0 (0: always fetch)")
         if self.drain_seconds < 0:
             raise ValueError("--drain-seconds must be >= 0")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be blank (omit it to use the checkpoint's name)")
         if not (self.model / "config.json").is_file():
-            raise ValueError(f"--model {self.model}: no config.json there (a Hugging Face model directory)")
+            raise ValueError(missing_model_message(self.model))
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """ORG/NAME as the Hugging Face Hub spells repositories (and no local path)."""
+    org, sep, name = value.partition("/")
+    return bool(sep and org and name) and "/" not in name and not value.startswith((".", "~"))
+
+
+def hub_cache_dirs() -> list[Path]:
+    """Where huggingface_hub keeps downloads: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub."""
+    dirs = [os.environ.get("HF_HUB_CACHE"), os.environ.get("HF_HOME") and f"{os.environ['HF_HOME']}/hub"]
+    return [Path(d) for d in dirs if d] + [Path.home() / ".cache" / "huggingface" / "hub"]
+
+
+def resolve_model(value: str) -> Path:
+    """--model as a folder: the folder itself, else (a hub id such as Qwen/Qwen3-0.6B) its newest
+    complete snapshot in the local Hugging Face cache; else the value as given (validation
+    then says what to do). computed never downloads."""
+    path = Path(value).expanduser()
+    if path.exists() or not looks_like_hub_id(value):
+        return path
+    for cache in hub_cache_dirs():
+        snapshots = cache / f"models--{value.replace('/', '--')}" / "snapshots"
+        found = sorted(
+            (s for s in snapshots.glob("*") if (s / "config.json").is_file()),
+            key=lambda s: s.stat().st_mtime,
+        )
+        if found:
+            return found[-1]
+    return path
+
+
+def missing_model_message(model: Path) -> str:
+    """One line for a --model without config.json: a hub id gets how to download it."""
+    text = str(model)
+    if not model.exists() and looks_like_hub_id(text):
+        folder = f"models/{text.rpartition('/')[2]}"
+        return (
+            f"--model {text}: no such folder, and computed does not download from the Hugging Face Hub "
+            f"(nor found it in the local hub cache); download it first, e.g. "
+            f"`huggingface-cli download {text} --local-dir {folder}`, then --model {folder}"
+        )
+    if not model.exists():
+        return f"--model {text}: no such folder (give a Hugging Face checkpoint folder: config.json, *.safetensors)"
+    return f"--model {text}: no config.json there (give a Hugging Face checkpoint folder: config.json, *.safetensors)"

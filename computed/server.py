@@ -122,6 +122,8 @@ def build_server(config: ComputedConfig) -> ComputedServer:
     compute_thread = ComputeThread(own_thread=config.forward_on == "thread")
     built = compute_thread.call(_build_compute, config, device, dtype)
     loaded, host, shared, runner = built.loaded, built.host, built.shared, built.runner
+    if config.served_model_name:  # the id clients name, and the namespace's model identity
+        loaded = replace(loaded, model_id=config.served_model_name)
     num_blocks, load_seconds, prefill_seconds = built.num_blocks, built.load_seconds, built.prefill_seconds
     tokenizer = Tokenizer(config.model)
     mc = loaded.config

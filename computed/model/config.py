@@ -21,7 +21,13 @@ ARCHITECTURES = {
 
 
 class UnsupportedModelError(ValueError):
-    """The checkpoint uses an architecture or option this implementation does not run."""
+    """The checkpoint uses an architecture or option this implementation does not run, or its
+    config.json lacks what the forward needs. `from_dir` prefixes the file, so the message is
+    one line naming the file and what to do."""
+
+
+# config.json keys the forward cannot do without (the others have Hugging Face's defaults).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,17 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
         generation_file = path / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
-        return cls.from_dict(json.loads(config_file.read_text()), generation)
+        try:
+            generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise UnsupportedModelError(
+                f"{path}: a config file is not valid JSON ({error}); download it again"
+            ) from None
+        try:
+            return cls.from_dict(config, generation)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(f"{config_file}: {error}") from None
 
     @classmethod
     def from_dict(
@@ -120,11 +135,19 @@ class ModelConfig:
     ) -> ModelConfig:
         architectures = config.get("architectures") or []
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+            named = ", ".join(architectures) if architectures else "no architecture"
             raise UnsupportedModelError(
-                f"architectures {architectures} not supported; expected one of {sorted(ARCHITECTURES)}"
+                f"{named} is not supported: computed runs {', '.join(ARCHITECTURES)} checkpoints; "
+                f"pick a model of those families"
             )
         architecture = ARCHITECTURES[architectures[0]]
         _reject_unsupported(config)
+        missing = [key for key in REQUIRED_KEYS if not isinstance(config.get(key), int)]
+        if missing:
+            raise UnsupportedModelError(
+                f"lacks {', '.join(missing)} (or not an integer), which the {architectures[0]} forward needs; "
+                f"the file is incomplete: download the checkpoint again"
+            )
         num_heads = config["num_attention_heads"]
         generation_config = generation_config or {}
         bos = config.get("bos_token_id")

@@ -25,7 +25,8 @@ _SAMPLE_BYTES = 4096
 
 
 class CheckpointError(ValueError):
-    """The checkpoint's tensors do not fit its config (missing, unexpected or misshapen)."""
+    """The checkpoint's tensors do not fit its config (missing, unexpected or misshapen), or its
+    weights are absent; the message is one line naming the file and what to do."""
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,16 @@ def load_model(
                         tensor = tensor.to(torch.bfloat16)
                     state[name] = tensor.to(device, dtype)
                 elif not _is_ignorable(name, config):
-                    raise CheckpointError(f"unexpected tensor {name!r} in {file.name}")
+                    raise CheckpointError(
+                        f"{file}: unexpected tensor {name!r}: the weights do not match config.json "
+                        f"(another architecture or a quantized checkpoint?); use the checkpoint's own files"
+                    )
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise CheckpointError(
+            f"{path}: the weights lack {len(missing)} tensors config.json needs, e.g. {missing[:3]}; "
+            f"download the checkpoint again (all its *.safetensors files)"
+        )
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the embedding; point the head at the new one
     model.requires_grad_(False).eval()
@@ -110,8 +117,20 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / name for name in names]
     else:
         files = sorted(path.glob("*.safetensors"))
-    if not files or not all(file.is_file() for file in files):
-        raise FileNotFoundError(f"no (or incomplete) *.safetensors weights in {path}")
+    if not files:
+        others = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        fix = (
+            f"it has {', '.join(others[:3])}: convert them to safetensors"
+            if others
+            else "download the weights too (e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+        )
+        raise CheckpointError(f"{path}: no *.safetensors weights; {fix}")
+    absent = [file.name for file in files if not file.is_file()]
+    if absent:
+        raise CheckpointError(
+            f"{index}: names {len(absent)} weights files that are not there, e.g. {absent[0]}; "
+            f"download the checkpoint again"
+        )
     return files
 
 
@@ -150,7 +169,8 @@ def revision(path: Path) -> str:
 def _checked(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
     if tensor.shape != param.shape:
         raise CheckpointError(
-            f"{name}: checkpoint shape {tuple(tensor.shape)}, config wants {tuple(param.shape)}"
+            f"{name}: checkpoint shape {tuple(tensor.shape)}, config.json wants {tuple(param.shape)}; "
+            f"the weights and config.json are of different models"
         )
     if not tensor.is_floating_point():
         raise CheckpointError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
