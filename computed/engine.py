@@ -22,6 +22,7 @@ from computed.compute_thread import ComputeThread
 from computed.directory import Directory
 from computed.directory_ops import CopyPlan, DirectoryOps, DirectoryResult
 from computed.errors import DirectoryUnavailable
+from computed.logprobs import TokenLogprobs
 from computed.model_runner import ModelRunner
 from computed.output import OutputText, TokenDecoder
 from computed.scheduler import ScheduledChunk, Scheduler
@@ -59,6 +60,8 @@ class GenerationChunk:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the first chunk's, when asked
 
 
 @dataclass
@@ -92,27 +95,34 @@ class _Request:
     first_token_at: float | None = None
     held_tokens: list[int] = field(default_factory=list)
     held_text: list[str] = field(default_factory=list)
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def sends_now(self, first: bool) -> bool:
         """Whether the next token's chunk leaves at once (else it is held)."""
         return first or self.stream_interval == 1 or len(self.held_tokens) + 1 >= self.stream_interval
 
-    def send(self, token: int, text: str, first: bool) -> None:
+    def send(
+        self, token: int, text: str, first: bool, logprobs: tuple[TokenLogprobs, ...] = (), prompt: tuple = ()
+    ) -> None:
         """Queue one token's chunk now, or hold it for the next message."""
         if first or self.stream_interval == 1:
-            self.queue.put_nowait(GenerationChunk([token], text))
+            self.queue.put_nowait(GenerationChunk([token], text, logprobs=logprobs, prompt_logprobs=prompt))
             return
         self.held_tokens.append(token)
         self.held_text.append(text)
+        self.held_logprobs.extend(logprobs)
         if len(self.held_tokens) >= self.stream_interval:
-            self.queue.put_nowait(GenerationChunk(self.held_tokens, "".join(self.held_text)))
-            self.held_tokens, self.held_text = [], []
+            held = tuple(self.held_logprobs)
+            self.queue.put_nowait(GenerationChunk(self.held_tokens, "".join(self.held_text), logprobs=held))
+            self.held_tokens, self.held_text, self.held_logprobs = [], [], []
 
     def last(self, tail: str, reason: str, usage: Usage) -> None:
         """Queue the final chunk, carrying whatever is held."""
         text = "".join(self.held_text) + tail
-        self.queue.put_nowait(GenerationChunk(self.held_tokens, text, reason, usage))
-        self.held_tokens, self.held_text = [], []
+        self.queue.put_nowait(
+            GenerationChunk(self.held_tokens, text, reason, usage, tuple(self.held_logprobs))
+        )
+        self.held_tokens, self.held_text, self.held_logprobs = [], [], []
 
 
 class Engine:
@@ -535,10 +545,23 @@ class Engine:
         text, hit_stop = req.output.push(token, defer=not req.sends_now(first) and not seq.is_finished)
         if hit_stop and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
-        req.send(token, text, first)
+        req.send(token, text, first, *self._logprobs_of(seq, first))
         self._fed.append(req.queue)
         if seq.is_finished:
             self._finish(req, seq.finish_reason or "stop", stopped=hit_stop)
+
+    def _logprobs_of(self, seq: Sequence, first: bool) -> tuple[tuple[TokenLogprobs, ...], tuple]:
+        """The newest token's logprobs and, with the first token, the prompt's (when asked):
+        the runner kept them (computed/prompt_logprobs.py)."""
+        params = seq.params
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return (), ()
+        store = self.runner.logprobs
+        entry = store.take(seq.sequence_id, seq.num_tokens - 1) if params.logprobs is not None else None
+        prompt = ()
+        if first and params.prompt_logprobs is not None:
+            prompt = tuple(store.take_prompt(seq.sequence_id, seq.prompt_token_ids))
+        return ((entry,) if entry is not None else ()), prompt
 
     def _finish(self, req: _Request, reason: str, stopped: bool) -> None:
         seq = req.seq

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,10 +18,13 @@ from computed.attention import AttentionBatch, SpanInput, decode_segment_min_rea
 from computed.directory_ops import CopyPlan
 from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
+from computed.logprobs import gather
 from computed.output_rows import OutputRows
+from computed.penalties import TokenHistory
+from computed.prompt_logprobs import LogprobStore, PromptRecompute, PromptRows
 from computed.sampling import make_generator, sample
 from computed.scheduler import ScheduledChunk
-from computed.sequence import SamplingParams, SequenceId
+from computed.sequence import SamplingParams, Sequence, SequenceId
 from computed.shared_kv import SharedKV
 
 
@@ -34,6 +37,12 @@ class ForwardInput:
     params: list[SamplingParams]
     sequence_ids: list[SequenceId]
     num_chunks: int
+    # Per sampled row: its token history where its params process logits (else None).
+    histories: list[TokenHistory | None] = field(default_factory=list)
+    # Prompt logprobs (computed/prompt_logprobs.py): rows of this step whose logits are
+    # read, and cache-served positions recomputed before it.
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    recomputes: list[PromptRecompute] = field(default_factory=list)
 
     def next_decode(self, sampled: list[int | None]) -> ForwardInput:
         """The decode step after this one (every chunk a decode row that sampled): each
@@ -43,6 +52,7 @@ class ForwardInput:
         tokens = [t for t in sampled if t is not None]
         assert len(tokens) == self.num_chunks, "a decode row sampled nothing"
         spans = [SpanInput(s.block_table, s.num_computed_tokens + 1, 1, True) for s in self.spans]
+        histories = [h.extended(t) if h is not None else None for h, t in zip(self.histories, tokens)]
         return ForwardInput(
             tokens,
             spans,
@@ -51,6 +61,7 @@ class ForwardInput:
             self.params,
             self.sequence_ids,
             self.num_chunks,
+            histories,
         )
 
 
@@ -75,6 +86,7 @@ class ModelRunner:
         self._min_decode_segment_reads = decode_segment_min_reads(device, pool.dtype)
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
+        self.logprobs = LogprobStore()
 
     def copy_blocks(self, plan: CopyPlan) -> list[tuple[str, bytes]]:
         """Run a Step answer's copies between the device pool and this worker's memory:
@@ -111,6 +123,7 @@ class ModelRunner:
     def remove_sequence(self, sequence_id: SequenceId) -> None:
         self._seeds.pop(sequence_id, None)
         self._generators.pop(sequence_id, None)
+        self.logprobs.remove(sequence_id)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardInput:
         token_ids: list[int] = []
@@ -131,14 +144,17 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(len(token_ids) - 1)
                 sample_chunks.append(i)
+        sampled_seqs = [chunks[i].seq for i in sample_chunks]
         return ForwardInput(
             token_ids,
             spans,
             sample_rows,
             sample_chunks,
-            [chunks[i].seq.params for i in sample_chunks],
-            [chunks[i].seq.sequence_id for i in sample_chunks],
+            [seq.params for seq in sampled_seqs],
+            [seq.sequence_id for seq in sampled_seqs],
             len(chunks),
+            [_history(seq) for seq in sampled_seqs],
+            *self.logprobs.plan(chunks, spans),
         )
 
     @torch.inference_mode()
@@ -148,11 +164,17 @@ class ModelRunner:
         return self._run(inp, batch)
 
     def _run(self, inp: ForwardInput, batch: AttentionBatch) -> list[int | None]:
+        for recompute in inp.recomputes:
+            self._recompute_prompt_logprobs(recompute)
         input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)  # (T,)
         min_reads = self._min_decode_segment_reads
         out: list[int | None] = [None] * inp.num_chunks
         if len(inp.sample_rows) == len(inp.token_ids):  # every row read (a decode step)
             hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
+        elif inp.prompt_rows:  # prompt logprobs read more rows than the sampled ones
+            hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
+            self._prompt_logprobs(hidden, inp.prompt_rows)
+            hidden = hidden[inp.sample_rows]  # (S, hidden)
         else:  # the last layer for the sampled rows only (computed.output_rows)
             read = OutputRows.build(
                 inp.spans, inp.sample_rows, inp.sample_chunks, self.block_size, self.device, min_reads
@@ -162,9 +184,43 @@ class ModelRunner:
             return out
         logits = self.model.compute_logits(hidden)  # (S, vocab) float32
         generators = [self._generator(sid, p) for sid, p in zip(inp.sequence_ids, inp.params)]
-        for chunk_index, token in zip(inp.sample_chunks, sample(logits, inp.params, generators)):
+        tokens = sample(logits, inp.params, generators, inp.histories)
+        for chunk_index, token in zip(inp.sample_chunks, tokens):
             out[chunk_index] = token
+        self._sampled_logprobs(inp, logits, tokens)
         return out
+
+    def _sampled_logprobs(self, inp: ForwardInput, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Keep the logprobs of the sampled tokens whose requests asked for them, keyed by
+        the position each token takes in its sequence."""
+        rows = [i for i, p in enumerate(inp.params) if p.logprobs is not None]
+        if not rows:
+            return
+        num_top = [inp.params[i].logprobs or 0 for i in rows]
+        entries = gather(logits[rows], [tokens[i] for i in rows], num_top)
+        for i, entry in zip(rows, entries):
+            span = inp.spans[inp.sample_chunks[i]]
+            self.logprobs.put(inp.sequence_ids[i], span.num_computed_tokens + span.num_new_tokens, [entry])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[PromptRows]) -> None:
+        """hidden: (T, hidden) of every row of the step; each PromptRows' rows scored."""
+        for rows in prompt_rows:
+            logits = self.model.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.targets)])
+            entries = gather(logits, rows.targets, [rows.num_top] * len(rows.targets))
+            self.logprobs.put(rows.sequence_id, rows.first_position + 1, entries)
+
+    def _recompute_prompt_logprobs(self, recompute: PromptRecompute) -> None:
+        """Hidden states of positions the prefix cache served, from the cached K/V (the
+        span writes nothing: its tokens' K/V are read back from the pool, as a cold
+        prefill reads what it wrote), for their logits."""
+        span = recompute.span
+        batch = AttentionBatch.build([span], self.block_size, self.device, self._min_decode_segment_reads)
+        input_ids = torch.tensor(recompute.token_ids, dtype=torch.long, device=self.device)  # (R,)
+        hidden = self.model(input_ids, batch, self.pool)  # (R, hidden)
+        rows = PromptRows(
+            recompute.sequence_id, 0, span.num_computed_tokens, recompute.targets, recompute.num_top
+        )
+        self._prompt_logprobs(hidden, [rows])
 
     @torch.inference_mode()
     def run_steps(
@@ -203,3 +259,9 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[sequence_id] = make_generator(self._seeds.get(sequence_id), self.device)
         return gen
+
+
+def _history(seq: Sequence) -> TokenHistory | None:
+    if not seq.params.processes_logits:
+        return None
+    return TokenHistory(seq.prompt_token_ids, tuple(seq.completion_token_ids))

@@ -33,7 +33,7 @@ MAX_REQUEST_ID_CHARS = 256
 # of the batch would fail. vLLM's _SAMPLING_EPS is the same.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
-ChatMessage = tuple[str, str]  # (role, content)
+ChatMessage = tuple[str, str] | tuple[str, str, str]  # (role, content) or (role, content, name)
 
 
 class PromptTokenizer(Protocol):
@@ -85,6 +85,14 @@ class GenerateInput:
     cache_policy: str = "store"  # the service maps the proto enum; anything else is refused
     retention_priority: int = 0
     stream_interval: int = 1  # tokens per message after the first; 0 means 1
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,11 +200,14 @@ class RequestPolicy:
                     f"context is {self.info.max_model_len}: at most {room} completion tokens fit; lower "
                     f"max_tokens to {room} or shorten the prompt by {max_tokens - room} tokens"
                 )
-        for token in request.stop_token_ids:
-            if token >= self.info.vocab_size:
-                raise RequestError(
-                    f"stop_token_ids: {token} is not below the vocab size {self.info.vocab_size}"
-                )
+        for name, tokens in (
+            ("stop_token_ids", request.stop_token_ids),
+            ("logit_bias", [t for t, _ in request.logit_bias]),
+        ):
+            for token in tokens:
+                if token >= self.info.vocab_size:
+                    raise RequestError(f"{name}: {token} is not below the vocab size {self.info.vocab_size}")
+        eos = () if request.ignore_eos else self.info.eos_token_ids
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=_effective_temperature(request.temperature),
@@ -206,6 +217,15 @@ class RequestPolicy:
             stop=tuple(request.stop),
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=tuple(sorted(request.logit_bias)),
+            min_tokens=request.min_tokens,
+            banned_until_min_tokens=tuple(sorted({*eos, *request.stop_token_ids})),
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
@@ -219,14 +239,22 @@ class RequestPolicy:
             raise RequestError("this model has no chat template: send prompt or prompt_token_ids")
         if len(messages) > MAX_MESSAGES:
             raise RequestError(f"at most {MAX_MESSAGES} messages")
-        if any(not role for role, _ in messages):
+        if any(not m[0] for m in messages):
             raise RequestError("every message needs a role (system, user, assistant or tool)")
         try:
             return self.tokenizer.apply_chat_template(
-                [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True
+                [_template_message(m) for m in messages], add_generation_prompt=True
             )
         except Exception as exc:  # templates raise whatever they like
             raise RequestError(f"chat template refused the messages: {exc}") from exc
+
+
+def _template_message(message: ChatMessage) -> dict[str, str]:
+    """A message as chat templates read it; "name" only when given (templates test for it)."""
+    out = {"role": message[0], "content": message[1]}
+    if len(message) > 2 and message[2]:
+        out["name"] = message[2]
+    return out
 
 
 def _effective_temperature(temperature: float | None) -> float:

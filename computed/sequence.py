@@ -24,6 +24,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logit processing (computed/penalties.py), all off by default.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    min_tokens: int = 0
+    banned_until_min_tokens: tuple[int, ...] = ()  # EOS and stop ids, masked below min_tokens
+    # Alternatives returned per generated / prompt token; None: no logprobs at all.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,10 +49,46 @@ class SamplingParams:
             raise RequestError("stop: at most 16 non-empty strings of at most 256 characters")
         if len(self.stop_token_ids) > 256:
             raise RequestError("stop_token_ids: at most 256 ids")
+        _check_processing(self)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty, bias or min_tokens changes this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or (self.min_tokens and self.banned_until_min_tokens)
+        )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGPROBS = 20
+
+
+def _check_processing(p: SamplingParams) -> None:
+    if not math.isfinite(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        raise RequestError(f"min_p must be in [0, 1], got {p.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+            raise RequestError(f"{name} must be in [-2, 2], got {value}")
+    if not math.isfinite(p.repetition_penalty) or not 0.0 < p.repetition_penalty <= 2.0:
+        raise RequestError(f"repetition_penalty must be in (0, 2] (1: off), got {p.repetition_penalty}")
+    if len(p.logit_bias) > 300 or len({t for t, _ in p.logit_bias}) != len(p.logit_bias):
+        raise RequestError("logit_bias: at most 300 distinct token ids")
+    if any(not math.isfinite(b) or not -100.0 <= b <= 100.0 for _, b in p.logit_bias):
+        raise RequestError("logit_bias: every bias must be in [-100, 100]")
+    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
+        raise RequestError(f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 class SequenceStatus(enum.Enum):

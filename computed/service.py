@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from computed.engine import Engine, GenerationChunk
 from computed.errors import CapacityError, ModelFailed, RequestError, ShuttingDown
+from computed.logprobs import TokenLogprobs
 from computed.model.tokenizer import IncrementalDecoder, Tokenizer
 from computed.request_policy import GenerateInput, RequestPolicy, WorkerInfo
 from kvcache.v1 import cache_policy_pb2
@@ -160,7 +161,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 finished = chunks[-1].finish_reason is not None
                 if chunks[-1].finish_reason == "error":
                     raise ModelFailed("the model failed on this request's batch; see computed's log")
-                yield _response(request_id, chunks)
+                yield _response(request_id, chunks, self.tokenizer)
         finally:
             if not finished:
                 self.engine.abort(sequence_id)  # client cancelled or went away
@@ -203,8 +204,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         )
 
 
-def _chat(messages: Any) -> list[tuple[str, str]]:
-    return [(m.role, m.content) for m in messages]
+def _chat(messages: Any) -> list[tuple[str, str] | tuple[str, str, str]]:
+    return [(m.role, m.content, m.name) if m.name else (m.role, m.content) for m in messages]
 
 
 # Generate's CachePolicy enum -> the request policy's names (unknown values pass as
@@ -241,10 +242,18 @@ def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
         cache_policy=_CACHE_POLICIES.get(request.cache_policy, str(request.cache_policy)),
         retention_priority=request.retention_priority,
         stream_interval=request.stream_interval,
+        min_p=optional("min_p"),
+        presence_penalty=optional("presence_penalty"),
+        frequency_penalty=optional("frequency_penalty"),
+        repetition_penalty=optional("repetition_penalty"),
+        logit_bias=list(request.logit_bias.items()),
+        logprobs=optional("logprobs"),
+        prompt_logprobs=optional("prompt_logprobs"),
+        min_tokens=request.min_tokens,
     )
 
 
-def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResponse:
+def _response(request_id: str, chunks: list[GenerationChunk], tokenizer: Tokenizer) -> pb.GenerateResponse:
     last = chunks[-1]
     response = pb.GenerateResponse(
         request_id=request_id,
@@ -252,6 +261,11 @@ def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResp
         text="".join(c.text for c in chunks),
         finish_reason=last.finish_reason or "",
     )
+    for c in chunks:
+        if c.prompt_logprobs:
+            response.prompt_logprobs.extend(_logprobs_message(e, tokenizer) for e in c.prompt_logprobs)
+        if c.logprobs:
+            response.logprobs.extend(_logprobs_message(e, tokenizer) for e in c.logprobs)
     if last.usage is not None:
         u = last.usage
         response.usage.CopyFrom(
@@ -267,6 +281,18 @@ def _response(request_id: str, chunks: list[GenerationChunk]) -> pb.GenerateResp
             )
         )
     return response
+
+
+def _logprobs_message(entry: TokenLogprobs, tokenizer: Tokenizer) -> pb.PositionLogprobs:
+    """One position's logprobs; each token's text decoded alone (special tokens kept)."""
+
+    def token(token_id: int, logprob: float) -> pb.TokenLogprob:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return pb.TokenLogprob(token_id=token_id, logprob=logprob, text=text)
+
+    return pb.PositionLogprobs(
+        token=token(entry.token_id, entry.logprob), top=[token(t, lp) for t, lp in entry.top]
+    )
 
 
 def add_service(servicer: Any, server: grpc.aio.Server, service_name: str) -> None:

@@ -25,33 +25,41 @@ _sym_db = _symbol_database.Default()
 from kvcache.v1 import cache_policy_pb2 as kvcache_dot_v1_dot_cache__policy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvcache/v1/generation.proto\x12\nkvcache.v1\x1a\x1dkvcache/v1/cache_policy.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\r \x01(\r\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12-\n\x0c\x63\x61\x63he_policy\x18( \x01(\x0e\x32\x17.kvcache.v1.CachePolicy\x12\x1a\n\x12retention_priority\x18) \x01(\r\x12\x17\n\x0fstream_interval\x18\x0f \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xe4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12total_time_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x07 \x01(\r\x12\x1c\n\x14shared_cached_tokens\x18\x08 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvcache.v1.Usage\"f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rrendered_text\x18\x02 \x01(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa3\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x0f\n\x07pool_id\x18\x0c \x01(\t\x12\x16\n\x0e\x62lockd_address\x18\r \x01(\t2\xc3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x1c.kvcache.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvcache.v1.TokenizeRequest\x1a\x1c.kvcache.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvcache.v1.DetokenizeRequest\x1a\x1e.kvcache.v1.DetokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvcache.v1.GetModelInfoRequest\x1a .kvcache.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvcache/v1/generation.proto\x12\nkvcache.v1\x1a\x1dkvcache/v1/cache_policy.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x90\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\r \x01(\r\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12-\n\x0c\x63\x61\x63he_policy\x18( \x01(\x0e\x32\x17.kvcache.v1.CachePolicy\x12\x1a\n\x12retention_priority\x18) \x01(\r\x12\x17\n\x0fstream_interval\x18\x0f \x01(\r\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x12 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x13 \x01(\x02H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.kvcache.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x15 \x01(\rH\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x17 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"b\n\x10PositionLogprobs\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x18.kvcache.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.kvcache.v1.TokenLogprob\"\xe4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12total_time_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x07 \x01(\r\x12\x1c\n\x14shared_cached_tokens\x18\x08 \x01(\r\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvcache.v1.Usage\x12.\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1c.kvcache.v1.PositionLogprobs\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.kvcache.v1.PositionLogprobs\"f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rrendered_text\x18\x02 \x01(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa3\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x0f\n\x07pool_id\x18\x0c \x01(\t\x12\x16\n\x0e\x62lockd_address\x18\r \x01(\t2\xc3\x02\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.kvcache.v1.GenerateRequest\x1a\x1c.kvcache.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvcache.v1.TokenizeRequest\x1a\x1c.kvcache.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvcache.v1.DetokenizeRequest\x1a\x1e.kvcache.v1.DetokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvcache.v1.GetModelInfoRequest\x1a .kvcache.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=74
-  _globals['_CHATMESSAGE']._serialized_end=118
-  _globals['_GENERATEREQUEST']._serialized_start=121
-  _globals['_GENERATEREQUEST']._serialized_end=621
-  _globals['_USAGE']._serialized_start=624
-  _globals['_USAGE']._serialized_end=852
-  _globals['_GENERATERESPONSE']._serialized_start=855
-  _globals['_GENERATERESPONSE']._serialized_end=983
-  _globals['_TOKENIZEREQUEST']._serialized_start=985
-  _globals['_TOKENIZEREQUEST']._serialized_end=1087
-  _globals['_TOKENIZERESPONSE']._serialized_start=1089
-  _globals['_TOKENIZERESPONSE']._serialized_end=1149
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1151
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1189
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1191
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1225
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1227
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1248
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1251
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1542
-  _globals['_GENERATIONSERVICE']._serialized_start=1545
-  _globals['_GENERATIONSERVICE']._serialized_end=1868
+  _globals['_CHATMESSAGE']._serialized_end=132
+  _globals['_GENERATEREQUEST']._serialized_start=135
+  _globals['_GENERATEREQUEST']._serialized_end=1047
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=830
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=878
+  _globals['_TOKENLOGPROB']._serialized_start=1049
+  _globals['_TOKENLOGPROB']._serialized_end=1112
+  _globals['_POSITIONLOGPROBS']._serialized_start=1114
+  _globals['_POSITIONLOGPROBS']._serialized_end=1212
+  _globals['_USAGE']._serialized_start=1215
+  _globals['_USAGE']._serialized_end=1443
+  _globals['_GENERATERESPONSE']._serialized_start=1446
+  _globals['_GENERATERESPONSE']._serialized_end=1677
+  _globals['_TOKENIZEREQUEST']._serialized_start=1679
+  _globals['_TOKENIZEREQUEST']._serialized_end=1781
+  _globals['_TOKENIZERESPONSE']._serialized_start=1783
+  _globals['_TOKENIZERESPONSE']._serialized_end=1843
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1845
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1883
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1885
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1919
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1921
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1942
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1945
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2236
+  _globals['_GENERATIONSERVICE']._serialized_start=2239
+  _globals['_GENERATIONSERVICE']._serialized_end=2562
 # @@protoc_insertion_point(module_scope)
