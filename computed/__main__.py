@@ -156,6 +156,11 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         default=_env("COMPUTED_METRICS_PORT"),
         help="serve Prometheus metrics on this port (0: any free port) [env COMPUTED_METRICS_PORT]",
     )
+    p.add_argument(
+        "--metrics-host",
+        default=_env("COMPUTED_METRICS_HOST", "127.0.0.1"),
+        help="interface of the metrics endpoint (0.0.0.0 for a scraper outside the host) [env COMPUTED_METRICS_HOST]",
+    )
     p.add_argument("--tls-cert", default=_env("COMPUTED_TLS_CERT"), help="server certificate (PEM)")
     p.add_argument("--tls-key", default=_env("COMPUTED_TLS_KEY"), help="server private key (PEM)")
     p.add_argument(
@@ -251,6 +256,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             ready_file=_optional_path(a.ready_file),
             log_format=a.log_format,
             metrics_port=int(a.metrics_port) if a.metrics_port is not None else None,
+            metrics_host=a.metrics_host,
             tls_cert=_optional_path(a.tls_cert),
             tls_key=_optional_path(a.tls_key),
             tls_client_ca=_optional_path(a.tls_client_ca),

@@ -68,6 +68,8 @@ class ComputedConfig:
     ready_file: Path | None = None
     log_format: str = "auto"
     metrics_port: int | None = None
+    # Loopback by default; 0.0.0.0 where a Prometheus outside the host scrapes it (a pod).
+    metrics_host: str = "127.0.0.1"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None

@@ -105,8 +105,8 @@ class _EngineCollector:
         )
 
 
-def serve_metrics(engine: Engine, port: int, registry: CollectorRegistry) -> int:
-    """Expose /metrics on `port` (0: any free port); returns the bound port."""
+def serve_metrics(engine: Engine, port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> int:
+    """Expose /metrics on `host`:`port` (0: any free port); returns the bound port."""
     registry.register(_EngineCollector(engine))
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     return server.server_port

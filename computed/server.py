@@ -187,7 +187,9 @@ def build_server(config: ComputedConfig) -> ComputedServer:
         compute=compute_thread,
     )
     if config.metrics_port is not None:
-        log.info("metrics_serving", port=serve_metrics(engine, config.metrics_port, registry))
+        log.info(
+            "metrics_serving", port=serve_metrics(engine, config.metrics_port, registry, config.metrics_host)
+        )
     info = WorkerInfo(
         model_id=loaded.model_id,
         model_revision=loaded.revision,
