@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "eviction": "bench.eviction_quality",
     "kv_memory": "bench.kv_memory",
     "gpu": "bench.gpu",
+    "host_overhead": "bench.host_overhead",
     "tiers": "bench.tiers",
     "shared": "bench.shared_tier",
 }

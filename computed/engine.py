@@ -10,6 +10,7 @@ The engine knows blockd only as a `Directory` (computed/directory.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import threading
 import time
@@ -488,46 +489,50 @@ class Engine:
 
     async def _forward(self, chunks: list[ScheduledChunk]) -> None:
         """One forward call: a step, or a burst of decode steps back to back when the
-        scheduler allows one (`Scheduler.decode_steps_for`; arrivals and cancellations
-        end a burst after its current step). Each step's tokens are then taken in order,
-        as if each step had been an iteration of its own."""
+        scheduler allows one (`Scheduler.decode_budgets`: rows leave as they end;
+        arrivals and cancellations end it after its current step). A burst's steps come
+        back one by one while the next runs (`_BurstSteps`), so streaming, stop checks and
+        the scheduler's bookkeeping of step j overlap step j + 1 on the compute thread;
+        each is taken as if it had been an iteration of its own."""
         batch = self.runner.prepare(chunks)
-        steps = self.scheduler.decode_steps_for(chunks)
+        budgets = self.scheduler.decode_budgets(chunks)
         started = time.monotonic()
+        burst = None if budgets is None else _BurstSteps(self, chunks, asyncio.get_running_loop())
         try:
-            if steps > 1:
+            if burst is not None:
                 self._interrupt.clear()
                 stop_ids = [self.scheduler.stop_token_ids(chunk.seq) for chunk in chunks]
-                per_step = await self._compute.run(
-                    self.runner.run_steps, batch, steps, stop_ids, self._interrupt
+                await self._compute.run(
+                    self.runner.run_steps, batch, budgets, stop_ids, self._interrupt, burst.deliver
                 )
+                burst.take()  # what an inline forward delivered, or what is still queued
             else:
-                per_step = [await self._compute.run(self.runner.run, batch)]
+                sampled = await self._compute.run(self.runner.run, batch)
+                self._take_step(chunks, sampled)
         except Exception:  # fail these requests, keep serving the others
             log.exception("forward_failed", sequences=[c.seq.sequence_id for c in chunks])
             for chunk in chunks:
                 req = self._requests.get(chunk.seq.sequence_id)
+                if chunk.seq.is_finished:
+                    continue
                 self.scheduler.finish(chunk.seq, "error")
                 if req is not None:
                     self._finish(req, "error", stopped=True)
             return
         finally:
             self.stats.forward_seconds += time.monotonic() - started
-        self.stats.num_forwards += len(per_step)
-        for j, sampled in enumerate(per_step):
-            if j > 0:  # step j of a burst fed the token step j - 1 sampled
-                chunks = [
-                    c._replace(start=c.start + 1, end=c.end + 1, write_from=c.write_from + 1) for c in chunks
-                ]
-            for chunk in chunks:  # counted before on_forward_done appends the new tokens
-                if j > 0 and chunk.seq.is_finished:
-                    continue
-                if chunk.seq.num_completion_tokens > 0:
-                    self.stats.num_decode_tokens += chunk.num_tokens
-                else:
-                    self.stats.num_prefill_tokens += chunk.num_tokens
-            for seq in self.scheduler.on_forward_done(chunks, sampled):
-                self._emit(seq)
+
+    def _take_step(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> None:
+        """One forward step's results, in order: counters, the scheduler's bookkeeping
+        (K/V now in the pool, tokens appended, commits queued), then each new token out."""
+        self.stats.num_forwards += 1
+        for chunk in chunks:  # counted before on_forward_done appends the new tokens
+            if chunk.seq.num_completion_tokens > 0:
+                self.stats.num_decode_tokens += chunk.num_tokens
+            else:
+                self.stats.num_prefill_tokens += chunk.num_tokens
+        for seq in self.scheduler.on_forward_done(chunks, sampled):
+            self._emit(seq)
 
     # ------------------------------------------------------------------ outputs
 
@@ -582,3 +587,38 @@ class Engine:
         )
         req.last(req.output.finish(stopped=stopped or reason == "cancelled"), reason, usage)
         self._fed.append(req.queue)
+
+
+class _BurstSteps:
+    """A burst's steps as the compute thread delivers them, taken on the event loop.
+
+    `deliver` (compute thread) queues step j's rows and tokens and wakes the loop; `take`
+    (loop) takes every queued step in order: the chunks of the rows that ran step j are
+    the burst's chunks j positions further. Invariant: steps are taken in the order they
+    ran, each once, and all of them before `Engine._forward` returns (it calls `take`
+    after the forward, which also serves an inline compute thread, whose wake-ups run
+    only later).
+    """
+
+    def __init__(self, engine: Engine, chunks: list[ScheduledChunk], loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._chunks = chunks
+        self._loop = loop
+        self._queued: collections.deque[tuple[list[int], list[int]]] = collections.deque()
+        self._num_taken = 0
+
+    def deliver(self, rows: list[int], tokens: list[int]) -> None:
+        self._queued.append((rows, tokens))
+        self._loop.call_soon_threadsafe(self.take)
+
+    def take(self) -> None:
+        while self._queued:
+            rows, tokens = self._queued.popleft()
+            j = self._num_taken
+            self._num_taken += 1
+            chunks = [self._chunks[r] for r in rows]
+            if j > 0:  # step j of a burst fed the token step j - 1 sampled
+                chunks = [
+                    c._replace(start=c.start + j, end=c.end + j, write_from=c.write_from + j) for c in chunks
+                ]
+            self._engine._take_step(chunks, list(tokens))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,22 @@ class ForwardInput:
             self.params,
             self.sequence_ids,
             self.num_chunks,
+            histories,
+        )
+
+    def subset(self, rows: list[int]) -> ForwardInput:
+        """This decode step for `rows` only (indices of its chunks, ascending): a burst's
+        next step once some rows have left it."""
+        assert len(self.sample_rows) == self.num_chunks, "not a decode step"
+        histories = [self.histories[i] for i in rows] if self.histories else []
+        return ForwardInput(
+            [self.token_ids[i] for i in rows],
+            [self.spans[i] for i in rows],
+            list(range(len(rows))),
+            list(range(len(rows))),
+            [self.params[i] for i in rows],
+            [self.sequence_ids[i] for i in rows],
+            len(rows),
             histories,
         )
 
@@ -226,38 +243,72 @@ class ModelRunner:
     def run_steps(
         self,
         inp: ForwardInput,
-        steps: int,
+        budgets: int | list[int],
         stop_ids: list[frozenset[int]],
         interrupt: threading.Event,
+        deliver: Callable[[list[int], list[int]], None] | None = None,
     ) -> list[list[int | None]]:
-        """Up to `steps` decode steps back to back (`inp` a decode step, the caller sure
-        every table holds the slots): one list of sampled tokens per step run. Stops
-        after a step where a row sampled one of its `stop_ids`, or once `interrupt` is set
-        (a request arrived or left), so a burst never holds the others back by more than a
-        step. Each step is exactly the `run` of the spans a fresh `prepare` would give.
+        """A burst: decode steps back to back (`inp` a decode step, every row one chunk),
+        each step exactly the `run` of the spans a fresh `prepare` would give.
+
+        Row r runs at most `budgets[r]` steps (an int: every row's; the caller sure its
+        table holds the slots) and leaves the burst after a step where it sampled one of
+        `stop_ids[r]`; the others go on without it. The burst ends when no row is left, or
+        once `interrupt` is set (a request arrived or left), so it never holds another
+        request back by more than a step. After each step, `deliver(rows, tokens)` gets
+        the chunk indices that ran it and their tokens, in order, on this thread: the
+        engine hands them to its event loop, which streams step j while step j + 1 runs
+        here (the host off the forward's critical path). Answers, per step, the tokens by
+        chunk index (None for a row that had left).
+
         Why: a decode step's way through the event loop (schedule, prepare, the thread
         hand-off and back, the directory's Step) cost ~0.5 ms of a 2-8 ms step (in-daemon
-        trace of `make bench-peer`'s chat and shared workloads); a burst pays it once."""
-        assert steps >= 1 and len(stop_ids) == inp.num_chunks
+        trace of `make bench-peer`'s chat and shared workloads); a burst pays it once. And
+        rows leave one by one because 256 streams of varied lengths end a few at a time:
+        a burst that ended at the first row's end ran ~1.2 steps (`python -m bench --only
+        host_overhead`)."""
+        num_rows = inp.num_chunks
+        assert len(stop_ids) == num_rows == len(inp.sample_rows) == len(inp.token_ids), "not a decode step"
+        left = [budgets] * num_rows if isinstance(budgets, int) else list(budgets)
+        assert len(left) == num_rows and min(left) >= 1, f"budgets {left} for {num_rows} rows"
+        rows = list(range(num_rows))  # the chunk index of each row of `inp`
         results: list[list[int | None]] = []
         min_reads = self._min_decode_segment_reads
         batch = AttentionBatch.build(inp.spans, self.block_size, self.device, min_reads)
         while True:
             sampled = self._run(inp, batch)
-            results.append(sampled)
-            if len(results) == steps or interrupt.is_set():
-                return results
-            if any(token in stops for token, stops in zip(sampled, stop_ids)):
+            tokens = [t for t in sampled if t is not None]
+            step: list[int | None] = [None] * num_rows
+            for r, token in zip(rows, tokens, strict=True):
+                step[r] = token
+            results.append(step)
+            if deliver is not None:
+                deliver(rows, tokens)
+            keep = []
+            for i, (r, token) in enumerate(zip(rows, tokens)):
+                left[r] -= 1
+                if left[r] > 0 and token not in stop_ids[r]:
+                    keep.append(i)
+            if not keep or interrupt.is_set():
                 return results
             inp = inp.next_decode(sampled)
-            batch = batch.next_decode(inp.spans, min_reads)
+            if len(keep) == len(rows):
+                batch = batch.next_decode(inp.spans, min_reads)
+                continue
+            inp = inp.subset(keep)
+            rows = [rows[i] for i in keep]
+            batch = AttentionBatch.build(inp.spans, self.block_size, self.device, min_reads)
 
     def _generator(self, sequence_id: SequenceId, params: SamplingParams) -> torch.Generator | None:
         if params.is_greedy:
             return None
         gen = self._generators.get(sequence_id)
         if gen is None:
-            gen = self._generators[sequence_id] = make_generator(self._seeds.get(sequence_id), self.device)
+            gen = make_generator(self._seeds.get(sequence_id), self.device)
+            # A sequence removed while a burst still runs it gets a throwaway generator
+            # (its tokens are dropped): keeping it would outlive the sequence.
+            if sequence_id in self._seeds:
+                self._generators[sequence_id] = gen
         return gen
 
 

@@ -408,29 +408,36 @@ class Scheduler:
             budget -= end - start
         return chunks
 
-    def decode_steps_for(self, chunks: list[ScheduledChunk]) -> int:
-        """How many decode steps `chunks` may run back to back in one forward call (step j
-        feeds the token step j - 1 sampled): 1 unless every running sequence decodes in
-        them and no request waits to be admitted (a burst would hold it back). At most
-        `decode_steps`, the slots each table already holds, and the tokens each sequence
-        may still produce. Sequences that stop inside a burst drop what came after
-        (`on_forward_done` skips them); the burst itself ends after a stop token
-        (`stop_token_ids`)."""
+    def decode_budgets(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """How many decode steps each of `chunks` may run back to back in one forward call
+        (a burst: step j feeds the token step j - 1 sampled; `ModelRunner.run_steps`), or
+        None where no burst may run: unless every running sequence decodes in them and no
+        request waits to be admitted (a burst would hold it back). A row's budget is at
+        most `decode_steps`, the slots its table already holds, and the tokens it may
+        still produce; a row leaves the burst when its budget is spent or it samples a
+        stop token (`stop_token_ids`), and the others go on."""
         steps = self.config.decode_steps
         if steps <= 1 or not chunks or self.waiting or self._admitting or len(chunks) != len(self.running):
-            return 1
+            return None
         bs, max_len = self.config.block_size, self.config.max_model_len
+        budgets = []
         for chunk in chunks:
             seq = chunk.seq
             if not chunk.sample or chunk.end - chunk.start != 1 or chunk.write_from != chunk.start:
-                return 1
-            steps = min(
+                return None
+            budget = min(
                 steps,
                 len(seq.block_table) * bs - chunk.start,  # step j writes slot start + j
                 seq.params.max_tokens - seq.num_completion_tokens,
                 max_len - seq.num_tokens,
             )
-        return max(1, steps)
+            budgets.append(max(1, budget))
+        return budgets if max(budgets) > 1 else None
+
+    def decode_steps_for(self, chunks: list[ScheduledChunk]) -> int:
+        """The longest any of `chunks` may run in a burst (`decode_budgets`), 1 for none."""
+        budgets = self.decode_budgets(chunks)
+        return 1 if budgets is None else max(budgets)
 
     def stop_token_ids(self, seq: Sequence) -> frozenset[int]:
         """The tokens that end `seq` (EOS unless ignored, and its stop_token_ids)."""

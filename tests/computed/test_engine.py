@@ -434,11 +434,20 @@ def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
         one_by_one.append(runner.run(inp))
         inp = inp.next_decode(one_by_one[-1])
     never = [frozenset[int]()] * 2
-    assert runner.run_steps(decode, 6, never, threading.Event()) == one_by_one
+    delivered: list[tuple[list[int], list[int]]] = []
+    steps = runner.run_steps(decode, 6, never, threading.Event(), lambda *step: delivered.append(step))
+    assert steps == one_by_one
+    assert delivered == [([0, 1], step) for step in one_by_one], "each step delivered as it ran, in order"
     interrupted = threading.Event()
     interrupted.set()
     assert runner.run_steps(decode, 6, never, interrupted) == one_by_one[:1]
+    # A row that samples a stop token leaves; the other runs on, its tokens unchanged.
     row_b = [step[1] for step in one_by_one]
     at = next(i for i in range(1, 6) if row_b[i] not in row_b[:i])
     stops = [frozenset[int](), frozenset({row_b[at]})]
-    assert runner.run_steps(decode, 6, stops, threading.Event()) == one_by_one[: at + 1]
+    left = [[a, b if j <= at else None] for j, (a, b) in enumerate(one_by_one)]
+    assert runner.run_steps(decode, 6, stops, threading.Event()) == left
+    # So does a row whose budget is spent; a burst ends when no row is left.
+    assert runner.run_steps(decode, [2, 4], never, threading.Event()) == [
+        [a, b if j < 4 else None] if j < 2 else [None, b] for j, (a, b) in enumerate(one_by_one[:4])
+    ]

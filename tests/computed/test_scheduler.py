@@ -113,18 +113,24 @@ class Harness:
         return out
 
     def forward_steps(self, chunks: list[ScheduledChunk]) -> None:
-        """The engine's forward: `decode_steps_for` steps back to back, step j feeding the
-        token step j - 1 sampled; a sequence that finished inside the burst is skipped."""
+        """The engine's forward: a burst as `decode_budgets` allows (else one step), step j
+        feeding the token step j - 1 sampled, each row for its own budget at most; a row
+        that finished inside the burst leaves it."""
         self.num_iterations += 1
-        for j in range(self.scheduler.decode_steps_for(chunks)):
-            if j > 0:
-                chunks = [
-                    c._replace(start=c.start + 1, end=c.end + 1, write_from=c.write_from + 1) for c in chunks
-                ]
-            live = [c for c in chunks if not c.seq.is_finished]
-            sampled = dict(zip((c.seq.sequence_id for c in live), self.forward(live)))
+        budgets = self.scheduler.decode_budgets(chunks) or [1] * len(chunks)
+        rows = list(range(len(chunks)))
+        for j in range(max(budgets)):
+            rows = [r for r in rows if budgets[r] > j and not chunks[r].seq.is_finished]
+            if not rows:
+                return
+            step = [
+                chunks[r]._replace(
+                    start=chunks[r].start + j, end=chunks[r].end + j, write_from=chunks[r].write_from + j
+                )
+                for r in rows
+            ]
             self.num_forwards += 1
-            self.scheduler.on_forward_done(chunks, [sampled.get(c.seq.sequence_id) for c in chunks])
+            self.scheduler.on_forward_done(step, self.forward(step))
 
     def run(self, max_iterations: int = 20_000) -> None:
         """Mirror the engine: wait for blockd only when admitting or urgently growing."""
