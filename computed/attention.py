@@ -42,6 +42,11 @@ every tile runs `computed.triton_attention`'s kernel, which has the native flash
 contract (`python -m bench.gpu_attention`, H100, one layer of Qwen3-0.6B's heads in
 bfloat16: 256 decode rows x 1,024 keys 9.9-10.2 -> 0.51-0.62 ms against the matmul
 path). Other devices and dtypes, and CUDA without Triton, use the float32 matmul path.
+
+Which of these runs is one `computed.backends` backend (cpu_native, cuda_triton,
+torch_portable), chosen once when the model loads and handed to `paged_attention`,
+`write_new_kv` and `attend`; this module only lays out the step and places or merges the
+tiles' partials. A call that names no backend asks the registry for its tensors.
 """
 
 from __future__ import annotations
@@ -55,12 +60,21 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from computed import kernels, triton_attention
+from computed import kernels
 from computed.attention_plan import AttentionPlan, Segment, TilePlan, advance_decode, plan_attention
+from computed.backends import AttentionBackend
+from computed.backends.registry import (
+    CPU_FLASH,
+    NATIVE_POOL_DTYPES,
+    AttentionTarget,
+    select_attention_backend,
+)
+from computed.backends.torch_portable import attend_tile_matmul, merge_dense
 from computed.kv_pool import KVPool
 
-# torch's fused CPU attention that also returns the log-sum-exp the merge needs.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# torch's fused CPU attention that also returns the log-sum-exp the merge needs (None keeps
+# a call that names no backend to matmuls off the native kernels: tests set it so).
+_FLASH_CPU = CPU_FLASH
 
 
 class SpanInput(NamedTuple):
@@ -373,10 +387,6 @@ class AttentionBatch:
 DECODE_SEGMENT_MIN_READS = 16 * 1024
 
 
-# The pool dtypes the native CPU attention kernels read (bfloat16 widened on load, exactly).
-NATIVE_POOL_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def decode_segment_min_reads(device: torch.device, dtype: torch.dtype) -> int:
     """What to pass `AttentionBatch.build` for a model running in `dtype` on `device`."""
     native = device.type == "cpu" and dtype in NATIVE_POOL_DTYPES and kernels.paged_decode() is not None
@@ -391,26 +401,55 @@ def paged_attention(
     batch: AttentionBatch,
     pool: KVPool,
     scale: float,
+    backend: AttentionBackend | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the pool, then attend every query over its context.
 
     q (T, H, D), k_new/v_new (T, Hkv, D) -> out (T, H, D). H must be a multiple of Hkv.
+    `backend`: the one the model was given at load (`computed.backends`); None asks the
+    registry for this call's tensors.
     """
-    write_new_kv(k_new, v_new, layer_idx, batch, pool)
-    return attend(q, layer_idx, batch, pool, scale)
+    write_new_kv(k_new, v_new, layer_idx, batch, pool, backend)
+    return attend(q, layer_idx, batch, pool, scale, backend)
 
 
 def write_new_kv(
-    k_new: torch.Tensor, v_new: torch.Tensor, layer_idx: int, batch: AttentionBatch, pool: KVPool
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    layer_idx: int,
+    batch: AttentionBatch,
+    pool: KVPool,
+    backend: AttentionBackend | None = None,
 ) -> None:
     """Write the new tokens' K/V (T, Hkv, D) into their pool slots (those `batch` writes)."""
     assert k_new.shape[0] == batch.num_tokens, f"{k_new.shape[0]} tokens for a batch of {batch.num_tokens}"
     assert pool.block_size == batch.block_size, "batch built for another block size"
-    _write(pool.key(layer_idx), pool.value(layer_idx), k_new, v_new, batch)
+    num_writes = batch.write_slots.shape[0]
+    if num_writes == 0:
+        return
+    if num_writes != batch.num_tokens:  # ascending token indices: W == T means all, in order
+        k_new = k_new.index_select(0, batch.write_token_index)
+        v_new = v_new.index_select(0, batch.write_token_index)
+    key_cache, value_cache = pool.key(layer_idx), pool.value(layer_idx)  # (N, B, Hkv, D)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    if backend is None:
+        backend = backend_for(k_new, key_cache, k_new.shape[1])
+    backend.write(
+        key_cache.view(-1, num_kv_heads, head_dim),
+        value_cache.view(-1, num_kv_heads, head_dim),
+        k_new,
+        v_new,
+        batch.write_slots,
+    )
 
 
 def attend(
-    q: torch.Tensor, layer_idx: int, batch: AttentionBatch, pool: KVPool, scale: float
+    q: torch.Tensor,
+    layer_idx: int,
+    batch: AttentionBatch,
+    pool: KVPool,
+    scale: float,
+    backend: AttentionBackend | None = None,
 ) -> torch.Tensor:
     """Every query (T, H, D) over its context as the pool holds it now -> out (T, H, D)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -419,12 +458,14 @@ def attend(
     assert num_tokens == batch.num_tokens, f"{num_tokens} tokens for a batch of {batch.num_tokens}"
     assert pool.block_size == batch.block_size, "batch built for another block size"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} K/V heads"
-    keys = key_cache.view(-1, num_kv_heads * head_dim)  # (N * B, Hkv * D): one row per slot
-    values = value_cache.view(-1, num_kv_heads * head_dim)
+    if backend is None:
+        backend = backend_for(q, key_cache, num_heads)
+    keys = key_cache.view(-1, num_kv_heads, head_dim)  # (N * B, Hkv, D): one row per slot
+    values = value_cache.view(-1, num_kv_heads, head_dim)
 
-    results = [_attend_tile(q, keys, values, tile, num_kv_heads, scale) for tile in batch.tiles]
+    results = [backend.attend_tile(q, keys, values, tile, scale) for tile in batch.tiles]
     if len(results) == 1 and batch.tiles[0].in_order:  # every row once, in order: a plain decode step
-        return results[0][0].to(q.dtype)  # every row once, in order (a plain decode step)
+        return results[0][0].to(q.dtype)
     if not batch.needs_merge:  # one partial per query row: place them
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         for tile, (o, _) in zip(batch.tiles, results):
@@ -432,154 +473,21 @@ def attend(
         return out.to(q.dtype)
     outs = [o.contiguous() for o, _ in results]  # (I*Qm, H, D) each, float32
     lses = [lse.contiguous() for _, lse in results]  # (I*Qm, H)
-    merge = kernels.merge_partials() if q.device.type == "cpu" else None
-    if merge is not None and all(o.dtype == torch.float32 for o in outs):
-        return merge(outs, lses, batch.merge_index).to(q.dtype)
-    return _merge(outs, lses, batch.merge_index).to(q.dtype)
+    return backend.merge(outs, lses, batch.merge_index).to(q.dtype)
 
 
-def _attend_tile(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: Tile, num_kv_heads: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's attention. Returns float32 out (I*Qm, H, D) and log-sum-exp (I*Qm, H)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // num_kv_heads
-    items, width_q, width_k = tile.num_items, tile.num_queries, tile.num_keys
-    pool_keys = keys.view(-1, num_kv_heads, head_dim)  # (N * B, Hkv, D)
-    pool_values = values.view(-1, num_kv_heads, head_dim)
-    if q.device.type == "cpu" and q.dtype == torch.float32 and keys.dtype in NATIVE_POOL_DTYPES:
-        decode = kernels.paged_decode()
-        if width_q == 1 and not tile.causal and decode is not None:
-            # One query per item: read K/V from the pool, no gather.
-            return decode(
-                q.contiguous() if tile.in_order else q.index_select(0, tile.query_rows.view(-1)),  # (I, H, D)
-                pool_keys,
-                pool_values,
-                tile.key_slots.view(items, width_k),
-                tile.key_lens,
-                scale,
-            )
-        # Several queries per item (prefill chunks, shared segments); the op takes head
-        # sizes that are a multiple of 8 and at most 64 query heads per K/V head.
-        flash = kernels.paged_flash() if head_dim % 8 == 0 and group <= 64 else None
-    elif q.device.type == "cuda" and triton_attention.supports(head_dim, group):
-        flash = triton_attention.paged_flash()  # every tile, decode rows included
-    else:
-        flash = None
-    if flash is not None:
-        o, lse = flash(
-            (
-                q.reshape(items, width_q, num_heads, head_dim)
-                if tile.in_order
-                # index_select, not q[rows]: ~5 against ~14 us a call (advanced indexing)
-                else q.index_select(0, tile.query_rows.view(-1)).view(items, width_q, num_heads, head_dim)
-            ).contiguous(),
-            # (I, Qm, H, D)
-            pool_keys,
-            pool_values,
-            tile.key_slots.view(items, width_k),
-            tile.key_lens,
-            tile.causal,
-            scale,
-        )  # (I, Qm, H, D), (I, Qm, H)
-        return o.view(items * width_q, num_heads, head_dim), lse.view(items * width_q, num_heads)
-    qt = q[tile.query_rows]  # (I, Qm, H, D)
-    kt = keys.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)  # (I, Lm, Hkv, D)
-    vt = values.index_select(0, tile.key_slots).view(items, width_k, num_kv_heads, head_dim)
-    if _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == kt.dtype == torch.float32:
-        if tile.causal:
-            # Causal rows need their own positions: repeat K/V per query head instead.
-            kh = kt.transpose(1, 2).repeat_interleave(group, dim=1)  # (I, H, Lm, D)
-            vh = vt.transpose(1, 2).repeat_interleave(group, dim=1)
-            o, lse = _FLASH_CPU(
-                qt.transpose(1, 2), kh, vh, 0.0, True, scale=scale
-            )  # (I, H, Qm, D), (I, H, Qm)
-            return (
-                o.transpose(1, 2).reshape(items * width_q, num_heads, head_dim),
-                lse.transpose(1, 2).reshape(items * width_q, num_heads),
-            )
-        # Fold each K/V head's query heads into its query rows: (I, Hkv, Qm * g, D).
-        qf = qt.view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-        qf = qf.reshape(items, num_kv_heads, width_q * group, head_dim)
-        o, lse = _FLASH_CPU(
-            qf, kt.transpose(1, 2), vt.transpose(1, 2), 0.0, False, attn_mask=tile.key_bias, scale=scale
-        )  # (I, Hkv, Qm*g, D), (I, Hkv, Qm*g)
-        o = o.view(items, num_kv_heads, width_q, group, head_dim).permute(0, 2, 1, 3, 4)
-        lse = lse.view(items, num_kv_heads, width_q, group).permute(0, 2, 1, 3)
-        return o.reshape(items * width_q, num_heads, head_dim), lse.reshape(items * width_q, num_heads)
-    return _attend_tile_matmul(qt, kt, vt, tile, scale)
+def backend_for(x: torch.Tensor, key_cache: torch.Tensor, num_heads: int) -> AttentionBackend:
+    """The registry's backend for a call that was given none: queries or new K/V `x` of
+    `num_heads` heads against the pool layer `key_cache` (N, B, Hkv, D). Asked afresh each
+    call (a model asks once, at load: `CausalLM.use_attention_backend`)."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    target = AttentionTarget(x.device, x.dtype, key_cache.dtype, head_dim, num_heads // num_kv_heads)
+    return select_attention_backend(target, _FLASH_CPU).backend
 
 
-def _attend_tile_matmul(
-    qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, tile: Tile, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in float32 matmuls (any device, any dtype)."""
-    items, width_q, num_heads, head_dim = qt.shape
-    width_k, num_kv_heads = kt.shape[1], kt.shape[2]
-    group = num_heads // num_kv_heads
-    qg = (
-        qt.float().view(items, width_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    )  # (I, Hkv, g, Qm, D)
-    scores = qg @ kt.float().permute(0, 2, 3, 1)[:, :, None] * scale  # (I, Hkv, g, Qm, Lm)
-    if tile.causal:
-        future = torch.ones(width_q, width_k, dtype=torch.bool, device=qt.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    if tile.key_bias is not None:
-        scores = scores + tile.key_bias[:, :, None]  # (I, 1, 1, 1, Lm)
-    lse = scores.logsumexp(dim=-1)  # (I, Hkv, g, Qm)
-    o = (scores - lse[..., None]).exp() @ vt.float().transpose(1, 2)[:, :, None]  # (I, Hkv, g, Qm, D)
-    o = o.permute(0, 3, 1, 2, 4).reshape(items * width_q, num_heads, head_dim)
-    return o, lse.permute(0, 3, 1, 2).reshape(items * width_q, num_heads)
-
-
-def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-    """out[r] = sum_p exp(lse_p - m_r) o_p / sum_p exp(lse_p - m_r), m_r = max_p lse_p, over
-    the partials p of row r (what `kvcache::merge_partials` computes on CPU). Dense gathers,
-    no scatter: `index` (T, depth) names each row's partials among the tiles' results
-    concatenated, the sentinel R (zeros, lse -inf) weighing nothing."""
-    o = torch.cat([*outs, outs[0].new_zeros(1, *outs[0].shape[1:])])  # (P + 1, H, D)
-    lse = torch.cat([*lses, lses[0].new_full((1, lses[0].shape[1]), float("-inf"))])  # (P + 1, H)
-    num_tokens, depth = index.shape
-    flat = index.reshape(-1)
-    lse_r = lse.index_select(0, flat).view(num_tokens, depth, -1)  # (T, depth, H)
-    weight = (lse_r - lse_r.amax(dim=1, keepdim=True)).exp_()  # (T, depth, H); every row has one real
-    o_r = o.index_select(0, flat).view(num_tokens, depth, *o.shape[1:])  # (T, depth, H, D)
-    return (o_r * weight[..., None]).sum(dim=1) / weight.sum(dim=1)[..., None]
-
-
-def _write(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    batch: AttentionBatch,
-) -> None:
-    num_writes = batch.write_slots.shape[0]
-    if num_writes == 0:
-        return
-    if num_writes != batch.num_tokens:  # ascending token indices: W == T means all, in order
-        k_new = k_new.index_select(0, batch.write_token_index)
-        v_new = v_new.index_select(0, batch.write_token_index)
-    _, _, num_kv_heads, head_dim = key_cache.shape
-    if (
-        key_cache.device.type == "cpu"
-        and key_cache.dtype in NATIVE_POOL_DTYPES
-        and k_new.dtype == v_new.dtype == torch.float32
-    ):
-        op = kernels.write_kv()
-        if op is not None:  # one call, v read where it lies (see kv_write.cpp)
-            op(
-                key_cache.view(-1, num_kv_heads, head_dim),
-                value_cache.view(-1, num_kv_heads, head_dim),
-                k_new,
-                v_new,
-                batch.write_slots,
-            )
-            return
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.write_slots, k_new.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, batch.write_slots, v_new.to(value_cache.dtype)
-    )
+# Kept under their old names for callers of the torch path (tests, benchmarks).
+_merge = merge_dense
+_attend_tile_matmul = attend_tile_matmul
 
 
 def _check_span(span: SpanInput, block_size: int) -> None:

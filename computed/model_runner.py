@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from computed.attention import AttentionBatch, SpanInput, decode_segment_min_reads
@@ -27,6 +28,8 @@ from computed.sampling import make_generator, sample
 from computed.scheduler import ScheduledChunk
 from computed.sequence import SamplingParams, Sequence, SequenceId
 from computed.shared_kv import SharedKV
+
+log = structlog.get_logger("computed.model_runner")
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self._min_decode_segment_reads = decode_segment_min_reads(device, pool.dtype)
+        # Which attention code runs, chosen once for this model and pool (computed.backends).
+        choice = model.choose_attention_backend(pool)
+        log.info("attention_backend_selected", backend=choice.backend.name, reason=choice.reason)
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
         self.logprobs = LogprobStore()

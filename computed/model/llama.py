@@ -8,10 +8,14 @@ embeddings, Llama-3 RoPE scaling.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from computed.attention import AttentionBatch, attend, paged_attention, write_new_kv
+from computed.backends import AttentionBackend
+from computed.backends.registry import AttentionTarget, BackendChoice, select_attention_backend
 from computed.kv_pool import KVPool
 from computed.model.config import ModelConfig
 from computed.model.layers import Linear, RMSNorm, SwiGLU, fuse_rows, linear, pack_weight
@@ -43,6 +47,9 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
         self.register_buffer("qkv_packed", None, persistent=False)
+        # The attention backend chosen at load (`CausalLM.use_attention_backend`); None asks
+        # the registry per call.
+        self.backend: AttentionBackend | None = None
 
     def fuse(self) -> None:
         """q, k and v as one product (see `fuse_rows`)."""
@@ -83,13 +90,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = apply_rotary_qk(q, k, cos, sin)
         if read is None:
-            out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale)  # (T, H, D)
+            out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale, self.backend)  # (T, H, D)
         else:
-            write_new_kv(k, v, self.layer_idx, batch, pool)
+            write_new_kv(k, v, self.layer_idx, batch, pool, self.backend)
             if read.batch is None:  # no row read: the K/V were all that was needed
                 return x.new_empty(0, x.shape[1])
             out = attend(
-                q.index_select(0, read.rows), self.layer_idx, read.batch, pool, self.scale
+                q.index_select(0, read.rows), self.layer_idx, read.batch, pool, self.scale, self.backend
             )  # (S, H, D)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
@@ -147,6 +154,7 @@ class CausalLM(nn.Module):
         self.tie_weights()
         # The same forward without the modules' glue, once `pack_projections` ran on CPU float32.
         self.native: NativeForward | None = None
+        self.attention_backend: AttentionBackend | None = None  # see `use_attention_backend`
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output head when the config says so."""
@@ -171,6 +179,25 @@ class CausalLM(nn.Module):
             layer.mlp.pack(products)
         self.lm_head.pack(products)
         self.native = NativeForward.build(self)
+
+    def choose_attention_backend(self, pool: KVPool) -> BackendChoice:
+        """Ask the registry once which attention backend serves this model over `pool`
+        (device, dtypes, head shape, kernels built), and use it from now on."""
+        c = self.config
+        dtype = self.model.embed_tokens.weight.dtype  # the hidden states' and so the queries'
+        target = AttentionTarget(pool.device, dtype, pool.dtype, c.head_dim, c.num_heads // c.num_kv_heads)
+        choice = select_attention_backend(target)
+        self.use_attention_backend(choice.backend)
+        return choice
+
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Every layer's attention through `backend` (`computed.backends.registry`'s choice
+        for this model and its pool, made once at load), not a choice per call."""
+        self.attention_backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+        if self.native is not None:
+            self.native = dataclasses.replace(self.native, backend=backend)
 
     @torch.inference_mode()
     def forward(

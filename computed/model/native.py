@@ -23,6 +23,7 @@ import torch
 
 from computed import kernels
 from computed.attention import NATIVE_POOL_DTYPES, AttentionBatch, attend
+from computed.backends import AttentionBackend
 from computed.kv_pool import KVPool
 from computed.output_rows import OutputRows
 
@@ -74,6 +75,9 @@ class NativeForward:
     # layer runs for its sampled rows only keeps the loop. A standalone decode burst, 8 rows
     # x 1,100 keys, interleaved with the loop's build: 1.39-1.48 -> 1.24-1.28 ms a step.
     whole: tuple[Callable, tuple] | None = None
+    # The loop's attention (`CausalLM.use_attention_backend`); None asks the registry per call.
+    # `whole` runs cpu_native's kernels itself: the registry's choice wherever `whole` can run.
+    backend: AttentionBackend | None = None
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeForward | None:
@@ -142,6 +146,7 @@ class NativeForward:
             rotary=model.rotary,
             ops=(ops[0].default, ops[1].default),
             layer_ops=(layer_ops[0].default, layer_ops[1].default),
+            backend=model.attention_backend,
         )
 
     @staticmethod
@@ -152,7 +157,7 @@ class NativeForward:
         if op is None or any(a is None for a in attention) or len(shapes) != 1:
             return None
         num_heads, num_kv_heads, head_dim, gate_up_size, scale = shapes.pop()
-        # paged_flash's limits (as attention._attend_tile checks them).
+        # paged_flash's limits (as backends.registry checks them).
         if head_dim % 8 != 0 or num_heads // num_kv_heads > 64:
             return None
         next_norms = [la.input_norm for la in layers[1:]] + [final_norm]
@@ -223,9 +228,9 @@ class NativeForward:
                 if read.batch is None:
                     return h.new_empty(0, self.hidden_size)
                 q, x = q.index_select(0, read.rows), x.index_select(0, read.rows)  # (S, H, D), (S, hidden)
-                out = attend(q, layer.layer_idx, read.batch, pool, layer.scale)  # (S, H, D)
+                out = attend(q, layer.layer_idx, read.batch, pool, layer.scale, self.backend)  # (S, H, D)
             else:
-                out = attend(q, layer.layer_idx, batch, pool, layer.scale)  # (T, H, D)
+                out = attend(q, layer.layer_idx, batch, pool, layer.scale, self.backend)  # (T, H, D)
             h, x = layer_out(
                 out,
                 x,
