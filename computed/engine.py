@@ -362,7 +362,7 @@ class Engine:
         if self._shared is not None:
             ops.shared_written, ops.shared_failed, ops.shared_missing = self._shared.take_reports()
         self.stats.num_steps += 1
-        if ops.must_wait:
+        if ops.must_wait and not self.scheduler.running:  # nothing can step without the answer
             started = time.monotonic()
             result = await self._step(ops)
             self.stats.directory_wait_seconds += time.monotonic() - started
@@ -381,6 +381,10 @@ class Engine:
             # The admitted sequences' next slots travel while their first forward runs.
             await self._forward_alongside(chunks, self.scheduler.plan_grows())
             return bool(chunks)
+        # Admissions and urgent grows are planned a step ahead while others run: the running
+        # sequences step as blockd answers (those short of a slot sit it out, `schedule`),
+        # and the admitted ones start in the next step. Why: an admission Step held every
+        # running row for its round trip (1-5 ms); on a GPU, idle device time.
         chunks = self.scheduler.schedule()
         await self._forward_alongside(chunks, ops)
         return bool(chunks) or not ops.is_empty
