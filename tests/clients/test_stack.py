@@ -163,11 +163,16 @@ def test_demo_runs_the_workload_and_stops_the_stack(tmp_path: Path) -> None:
     wait_all_gone(logged_pids(run_dir))
     assert "after a flush" in result.stdout and "cached 0 tokens (cold)" in result.stdout
     assert "TTFT: cold (0 cached tokens)" in result.stdout, "a fresh stack: the first request is cold"
+    assert "cached prefix: time to first token" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("the demo's stack is stopped"), (
+        "an honest last line"
+    )
 
 
-def _blockd_queried(output: str) -> int:
-    found = re.search(r"blockd counted [\d,]+ of ([\d,]+) prompt tokens admitted during this run", output)
+def _run_prompt_tokens(output: str) -> int:
+    found = re.search(r"hit rate of this run: [\d,]+ of ([\d,]+) prompt tokens", output)
     assert found, output
+    assert output.count("hit rate") == 1, "one hit rate"
     return int(found.group(1).replace(",", ""))
 
 
@@ -196,7 +201,10 @@ def test_demo_reuses_a_running_stack_and_leaves_its_cache_alone(tmp_path: Path) 
         assert "TTFT: cold (0 cached tokens)" in first
         assert "(cold)" not in again.replace("cached 0 tokens (cold)", ""), "a rerun's requests are all warm"
         assert "every request found its prefix cached" in again
-        assert _blockd_queried(first) == _blockd_queried(again), "blockd's counts are this run's, not a total"
+        assert _run_prompt_tokens(first) == _run_prompt_tokens(again), (
+            "the hit rate is this run's, not a total"
+        )
+        assert "try: " in again and "stopped" not in again, "a reused stack keeps running"
     finally:
         stack.down()
 
