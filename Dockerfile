@@ -1,17 +1,17 @@
 # One image for both daemons (and kvctl): docker compose picks the command per service.
-#   docker build -t kvcache .
-#   docker build -t kvcache --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 \
-#       --build-arg TORCH_SPEC=torch .        # a CUDA build for GPU hosts
+#   docker build -t kvcache .                                   # torch's CPU build
+#   docker build -t kvcache:cuda --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+# TORCH_SPEC and TORCH_INDEX mean what they mean to the Makefile (`make torch TORCH_INDEX=...`).
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# g++: computed builds its native CPU decode kernel at its first start (for the CPU it runs
-# on, so not at image build time), into TORCH_EXTENSIONS_DIR; without it, torch's kernels run.
+# g++: computed builds its native CPU kernels at its first start (for the CPU it runs on, so
+# not at image build time), into COMPUTED_KERNEL_BUILD_DIR; without it, torch's kernels run.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
-ENV TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+ENV COMPUTED_KERNEL_BUILD_DIR=/tmp/kvcache-kernels
 
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"

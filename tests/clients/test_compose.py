@@ -75,21 +75,52 @@ def test_ports_health_checks_and_addresses_agree(name: str) -> None:
     else:
         assert probe[:4] == ["CMD", "python", "-m", "clients.healthcheck"]
         assert port_of(probe[-1]) == listen_port
-    published = [p.rsplit(":", 1)[1] for p in service["ports"]]
-    assert published == [listen_port]
     if command[2] == "computed":
         blockd_listen = flag_value(SERVICES["blockd"]["command"], "--listen")
         assert flag_value(command, "--blockd") == f"blockd:{port_of(blockd_listen)}"
-        assert flag_value(command, "--worker-address") == f"{name}:{listen_port}"
         assert service["depends_on"]["blockd"]["condition"] == "service_healthy"
         assert any(v.endswith(":/models:ro") for v in service["volumes"]), "the model volume"
+    else:
+        published = [p.rsplit(":", 1)[1] for p in service["ports"]]
+        assert published[0] == listen_port and all(p.startswith("127.0.0.1:") for p in service["ports"])
     if command[2] == "gateway":
-        workers = flag_value(command, "--computed").split(",")
-        assert workers == [
-            flag_value(s["command"], "--worker-address")
-            for s in SERVICES.values()
-            if s["command"][2] == "computed"
-        ], "the gateway knows each worker by the address it announces to blockd"
+        assert flag_value(command, "--blockd") == "blockd:50051"
+        assert "--computed" not in command and "--no-discover" not in command, "workers come from blockd"
+
+
+def test_workers_scale_without_edits() -> None:
+    """`docker compose up --scale computed=N`: one worker service, no host port, no container
+    name, no fixed announced address (each announces its container IP: it listens on 0.0.0.0)."""
+    workers = [name for name, s in SERVICES.items() if s["command"][2] == "computed"]
+    assert workers == ["computed"]
+    worker = SERVICES["computed"]
+    assert "ports" not in worker and "container_name" not in worker and "profiles" not in worker
+    assert "--worker-address" not in worker["command"]
+    from computed.__main__ import announced_address
+
+    announced = announced_address(None, flag_value(worker["command"], "--listen"))
+    assert announced is not None and not announced.startswith("0.0.0.0"), announced
+
+
+def test_tokens_reach_every_daemon_under_one_name() -> None:
+    assert {"BLOCKD_ADMIN_TOKEN", "BLOCKD_WORKER_TOKEN"} <= set(SERVICES["blockd"]["environment"])
+    assert SERVICES["computed"]["environment"]["COMPUTED_WORKER_TOKEN"] == "${BLOCKD_WORKER_TOKEN:-}"
+    assert SERVICES["gateway"]["environment"]["GATEWAY_BLOCKD_ADMIN_TOKEN"] == "${BLOCKD_ADMIN_TOKEN:-}"
+
+
+def test_metrics_are_on_and_reachable() -> None:
+    for name in ("blockd", "computed"):
+        command = SERVICES[name]["command"]
+        assert flag_value(command, "--metrics-host") == "0.0.0.0" and flag_value(command, "--metrics-port")
+    assert "127.0.0.1:9100:9100" in SERVICES["blockd"]["ports"]
+
+
+def test_the_gpu_override_reserves_a_gpu_and_builds_cuda_torch() -> None:
+    gpu = yaml.safe_load((REPO / "deploy" / "docker-compose.gpu.yml").read_text())["services"]["computed"]
+    assert gpu["build"]["args"]["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "ARG TORCH_INDEX=" in dockerfile and "TORCH_INDEX" in (REPO / "Makefile").read_text()
 
 
 def test_the_shared_tier_is_a_valkey_service_every_daemon_uses() -> None:
@@ -97,18 +128,10 @@ def test_the_shared_tier_is_a_valkey_service_every_daemon_uses() -> None:
     assert VALKEY["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
     assert any(v.endswith(":/data") for v in VALKEY["volumes"]) and "valkey-data" in COMPOSE["volumes"]
     assert "ports" not in VALKEY, "the store is reached inside the compose network only"
-    for name in ("blockd", "computed", "computed2"):
+    for name in ("blockd", "computed"):
         service = SERVICES[name]
         assert flag_value(service["command"], "--shared-tier") == "redis://valkey:6379"
         assert service["depends_on"]["valkey"]["condition"] == "service_healthy"
-
-
-def test_scale_profile_adds_a_second_worker_on_another_host_port() -> None:
-    assert "profiles" not in SERVICES["blockd"] and "profiles" not in SERVICES["computed"]
-    assert "profiles" not in SERVICES["gateway"]
-    assert SERVICES["computed2"]["profiles"] == ["scale"]
-    host_ports = [p.split(":")[-2] for s in SERVICES.values() for p in s["ports"]]
-    assert len(host_ports) == len(set(host_ports))
 
 
 def test_dockerfile_default_command_flags_are_accepted() -> None:
