@@ -2,12 +2,17 @@
 
 nano-vllm's bench.py: 256 sequences, input and output lengths uniform in 100-1,024,
 random token ids in 0-10,000, EOS ignored. Ours: both daemons, computed on CUDA in
-bfloat16, all 256 as concurrent gRPC streams. Transformers: the same checkpoint in
-bfloat16 on the same GPU, batched greedy `generate` in batches of 64, prompts sorted by
-output length so a batch wastes few steps (one batch of all 256, the fewest steps, was
-slower: it ran past 330 s on an H100 before it was stopped); only the tokens each prompt
-asked for count.
-Greedy on both sides (nano-vllm samples at temperature 0.6: same work per token).
+bfloat16, all 256 as concurrent gRPC streams, greedy (nano-vllm samples at temperature
+0.6: same work per token). Goal (issue 42): >= 15,000 output tok/s on an H100.
+
+On CUDA the section also runs (issue 42):
+- a shared-prefix workload: 256 requests sharing a 2,048-token prefix + 128 unique
+  tokens, 128 out; throughput with prefix caching ÷ without (`cache_policy` NONE), and
+  TTFT of a lone request warm ÷ cold;
+- one decode step (256 rows x 1,024 keys) under torch.profiler (`bench.gpu_step`):
+  device busy share and kernel launches per step.
+The transformers baseline runs only off CUDA (`measure(..., "cpu", ...)`, a wiring
+check with a tiny shape): on an H100 it cost 174 s and said nothing the peers do not.
 Without CUDA the section says it was skipped and why.
 """
 
@@ -19,7 +24,7 @@ import sys
 from bench.context import BenchContext
 from bench.driver import run_sync
 from bench.hf_baseline import HfGenerator
-from bench.report import BenchResult, Figure
+from bench.report import BenchResult, Figure, Goal
 from bench.stack import Stack
 
 TITLE = "8. GPU mode"
@@ -56,7 +61,106 @@ def run(ctx: BenchContext) -> BenchResult:
             "`python -m bench --only gpu` runs it.",
         )
     num_seqs = 32 if ctx.quick else 256
-    return measure(ctx, "cuda", QWEN3_0_6B, num_seqs, max_len=1024)
+    return measure_cuda(ctx, num_seqs)
+
+
+def measure_cuda(ctx: BenchContext, num_seqs: int) -> BenchResult:
+    """The three GPU figures of issue 42 on the first CUDA device, no transformers."""
+    import torch
+
+    from bench.gpu_step import profile_decode_step
+
+    model_dir = build_checkpoint(ctx.scratch("gpu") / "qwen3", QWEN3_0_6B, "bfloat16")
+    prompts, outputs = workload(num_seqs, 1024)
+    args = _cuda_args(num_seqs, 1024)
+    with Stack(ctx.scratch("gpu"), *args, model=model_dir, threads=ctx.threads) as stack:
+        run_sync(stack.computed_address, [prompts[0][:32]], 4, 1)  # warm-up (graphs captured at start)
+        wall = _run_ours(stack.computed_address, prompts, outputs)
+        tps = sum(outputs) / wall
+        print(f"gpu: {tps:,.0f} output tok/s ({wall:.1f} s)", file=sys.stderr, flush=True)
+        shared = _shared_prefix(stack.computed_address, num_seqs)
+    step = profile_decode_step(model_dir, "cuda", torch.bfloat16, rows=min(num_seqs, 256), context=1024)
+    figures = [
+        Figure("output tok/s (nano-vllm's workload)", round(tps, 1), "tok/s", Goal(">=", 15_000.0)),
+        Figure("shared prefix: cached ÷ uncached throughput", round(shared["speedup"], 2), "x"),
+        Figure("shared prefix: TTFT warm ÷ cold", round(shared["ttft_ratio"], 3), "x"),
+        Figure("decode step: device busy ÷ wall", round(step.busy_share, 3), ""),
+        Figure("decode step: wall", round(step.wall_ms, 2), "ms"),
+        Figure("decode step: kernel launches", round(step.launches), ""),
+    ]
+    details = (
+        f"{num_seqs} sequences, input and output lengths uniform in 100-1,024, {sum(outputs):,} output "
+        f"tokens, on {step.device}; computed `{' '.join(args)}`. Shared prefix: {shared['detail']}. "
+        f"Decode step ({step.rows} rows x {step.context} keys, `python -m bench.gpu_step`): top kernels "
+        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in step.top[:5])
+        + "."
+    )
+    return BenchResult("gpu", TITLE, figures, details)
+
+
+def _cuda_args(num_seqs: int, max_len: int) -> tuple[str, ...]:
+    return (
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        str(num_seqs),
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-model-len",
+        str(2 * max_len + 16),
+    )
+
+
+def _shared_prefix(address: str, num_seqs: int, prefix_len: int = 2048, unique: int = 128) -> dict:
+    """`num_seqs` requests of one shared prefix + `unique` own tokens, 128 out each: wall
+    with prefix caching (the prefix computed once, then hit) against without (policy
+    NONE: every prompt computed whole), and a lone request's TTFT cold against warm."""
+    import asyncio
+    import time
+
+    from bench.driver import generate_one
+    from clients.aio_client import AsyncComputedClient
+
+    rng = random.Random(7)
+    prefix = [rng.randint(0, 10_000) for _ in range(prefix_len)]
+
+    def prompts(tag: int) -> list[list[int]]:  # a fresh prefix per run: no run warms another
+        head = [tag, *prefix[1:]]
+        return [head + [rng.randint(0, 10_000) for _ in range(unique)] for _ in range(num_seqs)]
+
+    async def one_run(batch: list[list[int]], policy: str) -> float:
+        async with AsyncComputedClient(address) as client:
+            started = time.perf_counter()
+            await asyncio.gather(*(_generate(client, p, 128, policy) for p in batch))
+            return time.perf_counter() - started
+
+    async def ttft(prompt: list[int]) -> float:
+        async with AsyncComputedClient(address) as client:
+            return (await generate_one(client, prompt, 1)).ttft_s
+
+    uncached = asyncio.run(one_run(prompts(10_001), "none"))
+    cached = asyncio.run(one_run(prompts(10_002), "store"))
+    lone = prompts(10_003)[0]
+    cold = asyncio.run(ttft(lone))
+    warm = asyncio.run(ttft(lone[:-1] + [lone[-1] + 1]))
+    return {
+        "speedup": uncached / cached,
+        "ttft_ratio": warm / cold,
+        "detail": (
+            f"{num_seqs} x ({prefix_len} shared + {unique}), 128 out: {cached:.2f} s cached, "
+            f"{uncached:.2f} s uncached; TTFT {warm * 1000:.1f} ms warm, {cold * 1000:.1f} ms cold"
+        ),
+    }
+
+
+async def _generate(client, prompt: list[int], max_tokens: int, policy: str) -> None:
+    stream = client.generate(
+        token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, cache_policy=policy
+    )
+    async for _ in stream:
+        pass
 
 
 def workload(num_seqs: int, max_len: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
