@@ -10,13 +10,28 @@
   the requests (70%) are unique documents behind one of the system prompts, the rest
   draw Zipf families as the Zipf trace does: frequency is what pays, and caching the
   one-offs costs the hot families their blocks.
+- `make_session_trace`: sessions whose next request waits for much other traffic,
+  beside one-shot requests, behind shared system prompts; two presets:
+  `conversation_spec`, production-like chat (many users, so a conversation's next turn
+  comes after think time, far more traffic than a small pool holds; short
+  conversations, pasted text: about half the distinct blocks are used once), and
+  `agent_spec`, agentic tool calls over one big tool-definition prompt (60% of new work is one-shot
+  calls with unique documents; sessions of ~8 steps whose tools take a while: a
+  heavy one-off share and long reuse gaps).
+- `make_few_shot_trace`: a fixed few-shot set where everything is reused. A few
+  system prompts, a fixed set of few-shot templates behind them, and each template's
+  fixed set of questions: every block of every request recurs (uniform popularity,
+  so recency and frequency predict little).
 
-Both answer a `bench.zipf_trace.Trace`; `shared_tokens` is the reusable part (the
-history before the new question; the family prefix; the system prompt of a one-off).
+All answer a `bench.zipf_trace.Trace`; `shared_tokens` is the reusable part (the
+history before the new question or tool output; the family prefix; the system prompt
+of a one-off); family id -1 marks a one-off request.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 from dataclasses import dataclass
 
@@ -112,6 +127,158 @@ def make_one_off_trace(spec: OneOffSpec) -> Trace:
             prompts.append(families[family] + tokens(spec.suffix_tokens))
             shared.append(len(families[family]))
             family_ids.append(family)
+    return Trace(prompts, shared, family_ids)
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """Sessions whose next request waits (for a user, for a tool) beside one-shot
+    requests, all behind shared system prompts. A session's first request is a system
+    prompt plus its opening; each later one is the whole history plus the reply
+    (answer, tool call) and the next turn (question, tool output)."""
+
+    num_requests: int
+    one_shot: float  # share of new work that is a one-shot request (unique input)
+    num_systems: int
+    system_tokens: tuple[int, int]
+    opening_tokens: tuple[int, int]  # a session's unique first turn
+    one_shot_tokens: tuple[int, int]
+    turn_tokens: tuple[int, int]
+    reply_tokens: tuple[int, int]
+    mean_steps: float  # requests per session, geometric
+    delay_median: float  # requests between a session's steps (lognormal)
+    delay_sigma: float
+    max_history_tokens: int
+    seed: int = 0
+
+
+def agent_spec(num_requests: int, seed: int = 0) -> SessionSpec:
+    """Agentic tool calls: one big tool-definition prompt (a second, rarer one), 60% one-shot
+    calls with unique documents, sessions of ~8 steps whose tools take a while."""
+    return SessionSpec(
+        num_requests,
+        one_shot=0.6,
+        num_systems=2,
+        system_tokens=(512, 1_536),
+        opening_tokens=(64, 512),  # the task
+        one_shot_tokens=(256, 1_536),  # a document to classify, extract, summarise
+        turn_tokens=(64, 768),  # a tool's output
+        reply_tokens=(16, 96),  # the model's tool call
+        mean_steps=8.0,
+        delay_median=100.0,
+        delay_sigma=1.2,
+        max_history_tokens=4_096,
+        seed=seed,
+    )
+
+
+def conversation_spec(num_requests: int, seed: int = 0) -> SessionSpec:
+    """Production-like chat: many users, so a conversation's next turn comes after much
+    other traffic (think time); most conversations are short and many questions paste
+    text, so most blocks are used once."""
+    return SessionSpec(
+        num_requests,
+        one_shot=0.3,
+        num_systems=8,
+        system_tokens=(128, 512),
+        opening_tokens=(16, 1_024),
+        one_shot_tokens=(64, 1_024),
+        turn_tokens=(16, 512),
+        reply_tokens=(32, 512),
+        mean_steps=3.0,
+        delay_median=200.0,
+        delay_sigma=1.0,
+        max_history_tokens=8_192,
+        seed=seed,
+    )
+
+
+def make_session_trace(spec: SessionSpec) -> Trace:
+    rng = random.Random(spec.seed)
+
+    def tokens(bounds: tuple[int, int]) -> list[int]:
+        return [rng.randrange(MAX_TOKEN) for _ in range(rng.randint(*bounds))]
+
+    systems = [tokens(spec.system_tokens) for _ in range(spec.num_systems)]
+    system_weights = [1.0 / (rank + 1) ** 2 for rank in range(spec.num_systems)]
+
+    def system() -> list[int]:
+        return rng.choices(systems, weights=system_weights)[0]
+
+    def delay() -> float:
+        return rng.lognormvariate(math.log(spec.delay_median), spec.delay_sigma)
+
+    # (due, session id, history, steps left): sessions waiting for their user or tool
+    waiting: list[tuple[float, int, list[int], int]] = []
+    prompts: list[list[int]] = []
+    shared: list[int] = []
+    families: list[int] = []
+    next_id = 0
+    now = 0
+
+    def emit(prompt: list[int], num_shared: int, family: int) -> None:
+        prompts.append(prompt)
+        shared.append(num_shared)
+        families.append(family)
+
+    def wait(session_id: int, prompt: list[int], steps_left: int) -> None:
+        history = prompt + tokens(spec.reply_tokens)
+        if steps_left and len(history) + spec.turn_tokens[1] <= spec.max_history_tokens:
+            heapq.heappush(waiting, (now + delay(), session_id, history, steps_left))
+
+    while len(prompts) < spec.num_requests:
+        now += 1
+        if waiting and waiting[0][0] <= now:
+            _, session_id, history, steps_left = heapq.heappop(waiting)
+            prompt = history + tokens(spec.turn_tokens)
+            emit(prompt, len(history), session_id)
+            wait(session_id, prompt, steps_left - 1)
+        elif rng.random() < spec.one_shot:
+            head = system()
+            emit(head + tokens(spec.one_shot_tokens), len(head), -1)
+        else:  # a new session: its first request, then it waits
+            next_id += 1
+            steps = 1
+            while rng.random() > 1.0 / spec.mean_steps:
+                steps += 1
+            head = system()
+            prompt = head + tokens(spec.opening_tokens)
+            emit(prompt, len(head), next_id)
+            wait(next_id, prompt, steps - 1)
+    return Trace(prompts, shared, families)
+
+
+@dataclass(frozen=True)
+class FewShotSpec:
+    num_requests: int
+    num_apps: int = 4
+    num_templates: int = 48  # few-shot sets, each behind one app's system prompt
+    questions_per_template: int = 12
+    app_tokens: tuple[int, int] = (128, 384)
+    template_tokens: tuple[int, int] = (384, 1_536)
+    question_tokens: tuple[int, int] = (32, 128)
+    seed: int = 0
+
+
+def make_few_shot_trace(spec: FewShotSpec) -> Trace:
+    rng = random.Random(spec.seed)
+
+    def tokens(bounds: tuple[int, int]) -> list[int]:
+        return [rng.randrange(MAX_TOKEN) for _ in range(rng.randint(*bounds))]
+
+    apps = [tokens(spec.app_tokens) for _ in range(spec.num_apps)]
+    templates = [rng.choice(apps) + tokens(spec.template_tokens) for _ in range(spec.num_templates)]
+    questions = [
+        [tokens(spec.question_tokens) for _ in range(spec.questions_per_template)] for _ in templates
+    ]
+    prompts: list[list[int]] = []
+    shared: list[int] = []
+    family_ids: list[int] = []
+    for _ in range(spec.num_requests):
+        t = rng.randrange(spec.num_templates)
+        prompts.append(templates[t] + rng.choice(questions[t]))
+        shared.append(len(templates[t]))
+        family_ids.append(t)
     return Trace(prompts, shared, family_ids)
 
 
