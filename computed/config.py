@@ -185,7 +185,8 @@ def missing_model_message(model: Path) -> str:
         return (
             f"--model {text}: no such folder, and computed does not download from the Hugging Face Hub "
             f"(nor found it in the local hub cache); download it first, e.g. "
-            f"`huggingface-cli download {text} --local-dir {folder}`, then --model {folder}"
+            f"`hf download {text} --local-dir {folder}` (`huggingface-cli download` in older "
+            f"huggingface_hub), then --model {folder}"
         )
     if not model.exists():
         return f"--model {text}: no such folder (give a Hugging Face checkpoint folder: config.json, *.safetensors)"

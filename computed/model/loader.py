@@ -122,7 +122,7 @@ def weight_files(path: Path) -> list[Path]:
         fix = (
             f"it has {', '.join(others[:3])}: convert them to safetensors"
             if others
-            else "download the weights too (e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+            else "download the weights too (e.g. `hf download ORG/NAME --local-dir DIR`)"
         )
         raise CheckpointError(f"{path}: no *.safetensors weights; {fix}")
     absent = [file.name for file in files if not file.is_file()]

@@ -82,9 +82,7 @@ def test_a_checkpoint_error_is_one_line(
 
 
 def test_a_hub_id_says_download_first() -> None:
-    with pytest.raises(
-        ValueError, match=r"huggingface-cli download Qwen/Qwen3-0\.6B --local-dir models/Qwen3-0\.6B"
-    ):
+    with pytest.raises(ValueError, match=r"hf download Qwen/Qwen3-0\.6B --local-dir models/Qwen3-0\.6B"):
         ComputedConfig(model=resolve_model("Qwen/Qwen3-0.6B"))
 
 
