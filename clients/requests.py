@@ -20,6 +20,22 @@ CACHE_POLICIES = {
 }
 
 
+# SamplingParams fields that map to `optional` GenerateRequest fields (None: unset).
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Generation knobs; None means "the server's default" (max_tokens 64, greedy, top_p 1)."""
@@ -35,6 +51,15 @@ class SamplingParams:
     # Tokens per message after the first (0: every token). `complete()` reads only the
     # whole completion, so it asks for WHOLE_COMPLETION: two messages, not one per token.
     stream_interval: int = 0
+    # Logit processing and logprobs (None / empty: the server's default, off).
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives per generated token; None: no logprobs
+    prompt_logprobs: int | None = None  # alternatives per prompt token; None: none
 
     def __post_init__(self) -> None:
         if not 0 <= self.stream_interval <= WHOLE_COMPLETION:
@@ -113,7 +138,10 @@ class Prompt:
             request_id=self.request_id,
             cache_policy=CACHE_POLICIES[self.cache_policy],
             retention_priority=self.retention_priority,
+            min_tokens=params.min_tokens,
         )
+        if params.logit_bias:
+            request.logit_bias.update(dict(params.logit_bias))
         if self.text is not None:
             request.prompt = self.text
         elif self.token_ids is not None:
@@ -121,7 +149,7 @@ class Prompt:
         else:
             assert self.messages is not None
             request.messages.extend(m.to_proto() for m in self.messages)
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        for name in _OPTIONAL_FIELDS:
             value = getattr(params, name)
             if value is not None:
                 setattr(request, name, value)

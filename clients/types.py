@@ -37,18 +37,41 @@ def _ratio(part: int, whole: int) -> float:
 class ChatMessage:
     role: str  # "system", "user", "assistant" or "tool"
     content: str
+    name: str = ""  # the participant's name ("": none), passed to the chat template
 
     @classmethod
     def coerce(cls, value: ChatMessage | Mapping[str, str] | tuple[str, str]) -> ChatMessage:
         if isinstance(value, ChatMessage):
             return value
         if isinstance(value, Mapping):
-            return cls(role=value["role"], content=value["content"])
+            return cls(role=value["role"], content=value["content"], name=value.get("name") or "")
         role, content = value
         return cls(role=role, content=content)
 
     def to_proto(self) -> generation_pb2.ChatMessage:
-        return generation_pb2.ChatMessage(role=self.role, content=self.content)
+        return generation_pb2.ChatMessage(role=self.role, content=self.content, name=self.name)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str  # the token alone, decoded
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """A position's token and its most likely alternatives, most likely first."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, m: generation_pb2.PositionLogprobs) -> PositionLogprobs:
+        def one(t: generation_pb2.TokenLogprob) -> TokenLogprob:
+            return TokenLogprob(t.token_id, t.logprob, t.text)
+
+        return cls(one(m.token), tuple(one(t) for t in m.top))
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,8 @@ class GenerateChunk:
     text: str
     finish_reason: str | None
     usage: Usage | None
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token, when asked
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # the first message's, when asked
 
     @classmethod
     def from_proto(cls, m: generation_pb2.GenerateResponse) -> GenerateChunk:
@@ -99,6 +124,10 @@ class GenerateChunk:
             text=m.text,
             finish_reason=m.finish_reason or None,
             usage=Usage.from_proto(m.usage) if m.HasField("usage") else None,
+            logprobs=tuple(PositionLogprobs.from_proto(e) for e in m.logprobs) if m.logprobs else (),
+            prompt_logprobs=(
+                tuple(PositionLogprobs.from_proto(e) for e in m.prompt_logprobs) if m.prompt_logprobs else ()
+            ),
         )
 
     @property

@@ -22,12 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clients.types import GenerateChunk, Usage
-from gateway import metrics
+from gateway import extras, metrics
 from gateway.config import GatewayConfig
 from gateway.errors import INTERNAL, UNAUTHORIZED, ApiError, invalid
 from gateway.fleet import Fleet
 from gateway.generation import Generation
-from gateway.responses import DONE, Reply, finish_reason, sse, usage_body
+from gateway.responses import DONE, ChoiceOutput, Reply, finish_reason, sse, usage_body
 from gateway.schema import GenerationRequest, parse_chat, parse_completion
 from gateway.tenants import Tenants
 
@@ -70,27 +70,26 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> JSONResponse:
-        _authenticate(tenants, request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [_model(m) for m in sorted(fleet.models())]})
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str, request: Request) -> JSONResponse:
-        _authenticate(tenants, request.headers.get("authorization"))
-        fleet.workers_of(model)
-        return JSONResponse(_model(model))
+    extras.add_routes(app, fleet, lambda authorization: _authenticate(tenants, authorization))
 
     # Served by GenerationEndpoints before FastAPI; the routes keep 405s and the route table as they were.
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _serve("chat", request.headers.get("authorization"), await request.body())
+        headers = request.headers
+        return await _serve(
+            "chat", headers.get("authorization"), headers.get("x-request-id"), await request.body()
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve("completion", request.headers.get("authorization"), await request.body())
+        headers = request.headers
+        return await _serve(
+            "completion", headers.get("authorization"), headers.get("x-request-id"), await request.body()
+        )
 
-    async def _serve(endpoint: str, authorization: str | None, raw: bytes) -> Response:
+    async def _serve(
+        endpoint: str, authorization: str | None, request_id: str | None, raw: bytes
+    ) -> Response:
         tenant = _authenticate(tenants, authorization)
         parse = parse_chat if endpoint == "chat" else parse_completion
         try:
@@ -99,24 +98,32 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
             raise invalid("the request body is not valid JSON") from None
         req = parse(body)
         scope = tenants.scope(tenant)
+        reply = Reply.new(endpoint, req.model)
+        request_id = req.request_id or request_id or reply.id
+        many = len(req.prompts) * req.n > 1
         generations = [
             Generation(
                 fleet,
                 req.model,
                 dataclasses.replace(
-                    prompt, cache_salt=scope.cache_salt, public_prefix_tokens=scope.public_prefix_tokens
+                    prompt,
+                    cache_salt=scope.cache_salt,
+                    public_prefix_tokens=scope.public_prefix_tokens,
+                    request_id=f"{request_id}-{i * req.n + j}" if many else request_id,
                 ),
                 req.sampling_for(j),
             )
-            for prompt in req.prompts
+            for i, prompt in enumerate(req.prompts)
             for j in range(req.n)
         ]
         await _start_all(generations)
-        reply = Reply.new(endpoint, req.model)
+        headers = {"x-request-id": request_id, WORKER_HEADER: _workers(generations)}
         if req.stream:
             events = _events(reply, req, generations)
-            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        return JSONResponse(await _collect(reply, req, generations))
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={**_SSE_HEADERS, **headers}
+            )
+        return JSONResponse(await _collect(reply, req, generations), headers=headers)
 
     # Outside FastAPI: the hot path skips its middleware stack and routing (about a fifth of
     # the gateway's time per request when it ran inside), and answers its own errors.
@@ -127,25 +134,46 @@ class GenerationEndpoints:
     """POST /v1/chat/completions and /v1/completions as plain ASGI (the hot path); the rest
     (other paths and methods, lifespan) passes on to `app`."""
 
-    def __init__(self, app: ASGIApp, serve: Callable[[str, str | None, bytes], Awaitable[Response]]) -> None:
+    def __init__(
+        self, app: ASGIApp, serve: Callable[[str, str | None, str | None, bytes], Awaitable[Response]]
+    ) -> None:
         self.app = app
         self.serve = serve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
         if scope["type"] != "http" or path not in _ENDPOINTS or scope["method"] != "POST":
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, _echo_request_id(scope, send))
             return
+        request_id = _header(scope, b"x-request-id")
         try:
             response = await self.serve(
-                _ENDPOINTS[path], _header(scope, b"authorization"), await _body(receive)
+                _ENDPOINTS[path], _header(scope, b"authorization"), request_id, await _body(receive)
             )
         except ApiError as error:
-            response = _error_response(path, error)
+            response = _error_response(path, error, request_id)
         except Exception as error:  # answered in OpenAI's shape, as the app's handler does
             log.exception("unexpected error", path=path)
-            response = _error_response(path, ApiError(INTERNAL, f"internal error: {type(error).__name__}"))
+            error = ApiError(INTERNAL, f"internal error: {type(error).__name__}")
+            response = _error_response(path, error, request_id)
         await response(scope, receive, send)
+
+
+def _echo_request_id(scope: Scope, send: Send) -> Send:
+    """`send` that adds the request's x-request-id (when it has one) to the response."""
+    if scope["type"] != "http":
+        return send
+    request_id = _header(scope, b"x-request-id")
+    if request_id is None:
+        return send
+
+    async def sending(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+            message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode("latin-1"))]}
+        await send(message)
+
+    return sending
 
 
 async def _body(receive: Receive) -> bytes:
@@ -169,10 +197,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _ENDPOINTS = {path: kind for kind, path in _PATHS.items()}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Names the worker(s) that served a generation (comma-separated when n or prompts > 1).
+WORKER_HEADER = "x-kvcache-worker"
 
 
-def _model(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "kvcache"}
+def _workers(generations: Sequence[Generation]) -> str:
+    addresses = dict.fromkeys(g.worker.address for g in generations if g.worker is not None)
+    return ",".join(addresses)
 
 
 def _authenticate(tenants: Tenants, authorization: str | None) -> str:
@@ -182,11 +213,12 @@ def _authenticate(tenants: Tenants, authorization: str | None) -> str:
     return tenant
 
 
-def _error_response(path: str, error: ApiError) -> JSONResponse:
+def _error_response(path: str, error: ApiError, request_id: str | None = None) -> JSONResponse:
     metrics.REQUESTS.labels(path, str(error.status.http)).inc()
     if error.status.http >= 500:
         log.warning("request failed", path=path, status=error.status.http, error=error.message)
-    return JSONResponse(error.body(), status_code=error.status.http)
+    headers = {"x-request-id": request_id} if request_id is not None else None
+    return JSONResponse(error.body(), status_code=error.status.http, headers=headers)
 
 
 async def _start_all(generations: Sequence[Generation]) -> None:
@@ -241,6 +273,7 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     usages: list[Usage | None] = [None] * len(generations)
     started = [False] * len(generations)
+    outputs = _outputs(req)
     metrics.INFLIGHT.inc()
     finished = False
     try:
@@ -248,9 +281,16 @@ async def _events(
             reason = finish_reason(chunk.finish_reason) if chunk.finish_reason else None
             if chunk.usage is not None:
                 usages[index] = chunk.usage
-            if chunk.text or reason or not started[index]:
+            text, logprobs = chunk.text, None
+            if outputs is not None:
+                prefix, logprobs = outputs[index].take(chunk.logprobs, chunk.prompt_logprobs)
+                text = prefix + text
+            if text or reason or not started[index] or chunk.logprobs:
                 first = reply.kind == "chat" and not started[index]
-                yield sse(reply.chunk(index, chunk.text, reason, first=first, with_usage=req.include_usage))
+                payload = reply.chunk(
+                    index, text, reason, first=first, with_usage=req.include_usage, logprobs=logprobs
+                )
+                yield sse(payload)
                 started[index] = True
         usage = usage_body(usages, req.n)
         if req.include_usage:
@@ -271,25 +311,44 @@ async def _events(
 
 
 async def _collect(reply: Reply, req: GenerationRequest, generations: Sequence[Generation]) -> dict[str, Any]:
-    async def one(generation: Generation) -> tuple[str, str, Usage | None]:
-        texts, reason, usage = [], "", None
+    outputs = _outputs(req)
+
+    async def one(index: int, generation: Generation) -> tuple[str, str, Usage | None, Any]:
+        texts, reason, usage, blocks = [], "", None, []
         async for chunk in generation.chunks():
+            if outputs is not None:
+                prefix, block = outputs[index].take(chunk.logprobs, chunk.prompt_logprobs)
+                texts.append(prefix)
+                blocks.append(block)
             texts.append(chunk.text)
             if chunk.finish_reason:
                 reason, usage = chunk.finish_reason, chunk.usage
-        return "".join(texts), reason, usage
+        logprobs = outputs[index].merge(blocks) if outputs is not None else None
+        return "".join(texts), reason, usage, logprobs
 
     metrics.INFLIGHT.inc()
     try:
-        results = await asyncio.gather(*(one(g) for g in generations))
+        results = await asyncio.gather(*(one(i, g) for i, g in enumerate(generations)))
     finally:
         metrics.INFLIGHT.dec()
         for g in generations:
             g.close()
-    usages = [u for _, _, u in results]
+    usages = [u for _, _, u, _ in results]
     usage = usage_body(usages, req.n)
     _count(reply.kind, usages, usage, "200")
-    return reply.body([t for t, _, _ in results], [r for _, r, _ in results], usage)
+    logprobs = [lp for _, _, _, lp in results] if outputs is not None else None
+    return reply.body([t for t, _, _, _ in results], [r for _, r, _, _ in results], usage, logprobs)
+
+
+def _outputs(req: GenerationRequest) -> list[ChoiceOutput] | None:
+    """Each choice's echo and logprobs state; None when the request asked for neither."""
+    if req.logprobs is None and not req.echo:
+        return None
+    return [
+        ChoiceOutput(req.kind, req.logprobs, req.echo, prompt.text)
+        for prompt in req.prompts
+        for _ in range(req.n)
+    ]
 
 
 def _count(kind: str, usages: Sequence[Usage | None], usage: dict[str, Any], status: str) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.types import Usage
+from clients.types import PositionLogprobs, TokenLogprob, Usage
 
 DONE = b"data: [DONE]\n\n"
 # What the workers' finish_reason becomes (a cancelled request has no reader left).
@@ -42,6 +42,59 @@ def usage_body(usages: Sequence[Usage | None], n: int) -> dict[str, Any]:
     }
 
 
+# A logprob JSON can carry (JSON has no -Infinity); vLLM clamps to the same value.
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def chat_logprobs(entries: Sequence[PositionLogprobs]) -> dict[str, Any]:
+    """Chat's `logprobs` of these tokens: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def one(t: TokenLogprob) -> dict[str, Any]:
+        return {"token": t.text, "logprob": _lp(t.logprob), "bytes": list(t.text.encode())}
+
+    return {
+        "content": [{**one(e.token), "top_logprobs": [one(t) for t in e.top]} for e in entries],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[PositionLogprobs], offset: int, first_unscored: bool = False
+) -> tuple[dict[str, Any], int]:
+    """The legacy `logprobs` of /v1/completions (tokens, token_logprobs, top_logprobs,
+    text_offset), text offsets counted from `offset`; answers the offset after them.
+    first_unscored: the first entry is a prompt's first token, which has no logprob (null).
+    Each top_logprobs dict holds the chosen token too, as vLLM's does."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for i, e in enumerate(entries):
+        tokens.append(e.token.text)
+        offsets.append(offset)
+        offset += len(e.token.text)
+        if first_unscored and i == 0:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        token_logprobs.append(_lp(e.token.logprob))
+        top = {t.text: _lp(t.logprob) for t in e.top}
+        top.setdefault(e.token.text, _lp(e.token.logprob))
+        tops.append(top)
+    block = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return block, offset
+
+
+def join_logprobs(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Completion logprob blocks of consecutive tokens as one."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for block in blocks:
+        for key, values in out.items():
+            values.extend(block[key])
+    return out
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event as OpenAI writes it."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
@@ -62,39 +115,55 @@ class Reply:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, texts: Sequence[str], reasons: Sequence[str], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streaming answer: one choice per (prompt, sample)."""
+    def body(
+        self,
+        texts: Sequence[str],
+        reasons: Sequence[str],
+        usage: dict[str, Any],
+        logprobs: Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming answer: one choice per (prompt, sample); `logprobs`: each
+        choice's logprobs block (None: not asked)."""
+        blocks = logprobs if logprobs is not None else [None] * len(texts)
         if self.kind == "chat":
             choices = [
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
+                    "logprobs": block,
                     "finish_reason": finish_reason(reason),
                 }
-                for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
+                for i, (text, reason, block) in enumerate(zip(texts, reasons, blocks, strict=True))
             ]
             head = self._head("chat.completion")
         else:
             choices = [
-                {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-                for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
+                {"index": i, "text": text, "logprobs": block, "finish_reason": finish_reason(reason)}
+                for i, (text, reason, block) in enumerate(zip(texts, reasons, blocks, strict=True))
             ]
             head = self._head("text_completion")
         return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
 
     def chunk(
-        self, index: int, text: str, reason: str | None, *, first: bool = False, with_usage: bool = False
+        self,
+        index: int,
+        text: str,
+        reason: str | None,
+        *,
+        first: bool = False,
+        with_usage: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk of choice `index`; first: the chat chunk that carries the role."""
+        """One streamed chunk of choice `index`; first: the chat chunk that carries the role;
+        logprobs: the logprobs block of this chunk's tokens."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if reason and not text and not first:
                 delta = {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice], "system_fingerprint": None}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
             out = {**self._head("text_completion"), "choices": [choice], "system_fingerprint": None}
         if with_usage:
             out["usage"] = None
@@ -104,3 +173,51 @@ class Reply:
         """The last chunk with stream_options.include_usage: no choices, the whole usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage, "system_fingerprint": None}
+
+
+class ChoiceOutput:
+    """What one choice shows beyond the worker's text, chunk by chunk: the echoed prompt
+    (completions with echo) and the logprobs blocks, text offsets carried across chunks.
+
+    `prompt_text` None with echo: the prompt's text is its tokens' texts (a token-id
+    prompt, whose prompt logprobs the gateway asked for to get them)."""
+
+    def __init__(self, kind: str, logprobs: int | None, echo: bool, prompt_text: str | None) -> None:
+        self.kind = kind
+        self.logprobs = logprobs
+        self.echo = echo
+        self.prompt_text = prompt_text
+        self._offset = 0
+        self._started = False
+
+    def take(
+        self, entries: Sequence[PositionLogprobs], prompt: Sequence[PositionLogprobs]
+    ) -> tuple[str, Any]:
+        """(text this chunk leads with, its logprobs block or None) for a chunk's token
+        entries and, on the first chunk, the prompt's."""
+        first, self._started = not self._started, True
+        echoed = self.echo and first
+        prefix = ""
+        if echoed:
+            prefix = (
+                self.prompt_text if self.prompt_text is not None else "".join(e.token.text for e in prompt)
+            )
+        if self.logprobs is None:
+            return prefix, None
+        if self.kind == "chat":
+            return prefix, chat_logprobs(entries)
+        blocks = []
+        if echoed:
+            block, self._offset = completion_logprobs(prompt, self._offset, first_unscored=True)
+            blocks.append(block)
+        block, self._offset = completion_logprobs(entries, self._offset)
+        blocks.append(block)
+        return prefix, join_logprobs(blocks) if len(blocks) > 1 else blocks[0]
+
+    def merge(self, blocks: Sequence[Any]) -> Any:
+        """The blocks of every chunk of the choice as one (a non-streaming answer)."""
+        if self.logprobs is None:
+            return None
+        if self.kind == "chat":
+            return {"content": [c for b in blocks for c in b["content"]], "refusal": None}
+        return join_logprobs(blocks)

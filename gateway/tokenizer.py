@@ -57,7 +57,7 @@ class LocalTokenizer:
             return None
         if any(not m.role for m in messages):
             return None
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat = [{"role": m.role, "content": m.content, "name": m.name or None} for m in messages]
         chat = [{k: v for k, v in m.items() if v is not None} for m in chat]
         return self._template.render(
             messages=chat, tools=None, documents=None, add_generation_prompt=True, **self._special

@@ -20,13 +20,15 @@ def _chat(client: openai.OpenAI, **kwargs: object) -> object:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"temperature": 3}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
         ({"messages": []}, "messages"),
         ({"extra_body": {"cache_salt": "tenant-b"}}, "cache_salt"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ],
 )
 def test_bad_or_unsupported_parameter_is_400_naming_it(gw: GatewayStack, kwargs: dict, param: str) -> None:

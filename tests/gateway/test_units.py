@@ -76,10 +76,22 @@ def test_completion_prompt_forms(prompt, expect) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({**CHAT, "logprobs": True}, "logprobs"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-        ({**CHAT, "frequency_penalty": 1}, "frequency_penalty"),
+        ({**CHAT, "frequency_penalty": 3}, "frequency_penalty"),
+        ({**CHAT, "presence_penalty": "x"}, "presence_penalty"),
+        ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+        ({**CHAT, "min_p": 1.5}, "min_p"),
+        ({**CHAT, "top_k": -2}, "top_k"),
+        ({**CHAT, "logit_bias": {"a": 1}}, "logit_bias"),
+        ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({**CHAT, "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({**CHAT, "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({**CHAT, "use_beam_search": True}, "use_beam_search"),
+        ({**CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
+        ({**CHAT, "echo": True}, "echo"),
+        ({**CHAT, "no_such_parameter": 1}, "no_such_parameter"),
         ({**CHAT, "cache_salt": "x"}, "cache_salt"),
         ({**CHAT, "temperature": -1}, "temperature"),
         ({**CHAT, "temperature": "hot"}, "temperature"),
@@ -96,7 +108,11 @@ def test_completion_prompt_forms(prompt, expect) -> None:
         ({"messages": CHAT["messages"]}, "model"),
         ({**CHAT, "messages": []}, "messages"),
         ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
-        ({**CHAT, "messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name"),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
+            "messages[0].tool_calls",
+        ),
         (
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",
@@ -116,7 +132,10 @@ def test_chat_refusals_name_the_parameter(body, param) -> None:
         ({"model": "m", "prompt": []}, "prompt"),
         ({"model": "m", "prompt": [1, "a"]}, "prompt"),
         ({"model": "m", "prompt": [-1]}, "prompt"),
-        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "a", "echo": "yes"}, "echo"),
+        ({"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
+        ({"model": "m", "prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
         ({"model": "m", "prompt": "a", "best_of": 3}, "best_of"),
         ({"model": "m", "prompt": "a", "suffix": "z"}, "suffix"),
         ({"model": "m", "prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens"),
@@ -129,6 +148,98 @@ def test_completion_refusals_name_the_parameter(body, param) -> None:
 def test_noop_defaults_are_accepted() -> None:
     req = parse_completion({"model": "m", "prompt": "a", "echo": False, "best_of": 1, "logprobs": None})
     assert req.n == 1 and not req.stream
+
+
+# vLLM's server's own defaults for every parameter it accepts (and OpenAI's), as clients send them.
+VLLM_NEUTRAL = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "logprobs": None,
+    "top_k": -1,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "stop_token_ids": [],
+    "ignore_eos": False,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": None,
+    "structured_outputs": None,
+    "guided_json": None,
+    "response_format": None,
+    "seed": None,
+    "user": None,
+    "n": 1,
+    "best_of": None,
+    "stream": False,
+    "parallel_tool_calls": True,
+    "tool_choice": "none",
+    "tools": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "cache_salt": None,
+}
+
+
+def test_every_vllm_neutral_value_is_accepted_and_means_off() -> None:
+    chat = parse_chat(
+        {**CHAT, **VLLM_NEUTRAL, "top_logprobs": 0, "add_generation_prompt": True, "echo": False}
+    )
+    completion = parse_completion(
+        {"model": "m", "prompt": "a", **VLLM_NEUTRAL, "echo": False, "suffix": None}
+    )
+    for req in (chat, completion):
+        s = req.sampling
+        assert s.top_k is None and s.min_p == 0.0 and s.repetition_penalty == 1.0 and s.logprobs is None
+        assert (
+            s.presence_penalty == 0 and s.frequency_penalty == 0 and s.logit_bias == () and s.min_tokens == 0
+        )
+        assert req.logprobs is None and not req.echo
+
+
+def test_served_extensions_map_to_the_worker_call() -> None:
+    body = {
+        **CHAT,
+        "messages": [
+            {"role": "developer", "content": "d", "name": "ops"},
+            {"role": "assistant", "content": "a", "refusal": None, "tool_calls": []},
+        ],
+        "logprobs": True,
+        "top_logprobs": 3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "top_k": 40,
+        "logit_bias": {"7": -100, "3": 2.5},
+        "stop_token_ids": [2, 9],
+        "min_tokens": 2,
+    }
+    req = parse_chat(body)
+    assert req.prompts[0].messages == (ChatMessage("system", "d", "ops"), ChatMessage("assistant", "a"))
+    call = req.prompts[0].to_request(req.sampling)
+    assert (call.presence_penalty, call.frequency_penalty, call.min_p, call.top_k) == pytest.approx(
+        (0.5, -0.5, 0.1, 40)
+    )
+    assert call.repetition_penalty == pytest.approx(1.2)
+    assert dict(call.logit_bias) == {3: 2.5, 7: -100.0} and list(call.stop_token_ids) == [2, 9]
+    assert call.logprobs == 3 and not call.HasField("prompt_logprobs") and call.min_tokens == 2
+    assert call.messages[0].name == "ops"
+    completion = parse_completion({"model": "m", "prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 1})
+    call = completion.prompts[0].to_request(completion.sampling)
+    assert completion.echo and (call.logprobs, call.prompt_logprobs) == (1, 1)
+    # An echoed token prompt needs its tokens' text: prompt logprobs carry it.
+    tokens = parse_completion({"model": "m", "prompt": [5, 6], "echo": True})
+    assert tokens.sampling.prompt_logprobs == 0 and tokens.sampling.logprobs is None
 
 
 @pytest.mark.parametrize("stream", [False, True])
