@@ -50,10 +50,6 @@ class DirectoryConfig:
     # Pool records kept (live pools and tombstones of lapsed ones). When full, the
     # tombstone that lapsed first is forgotten; with only live pools, RESOURCE_EXHAUSTED.
     max_pools: int = 1_024
-    # Re-registering a live pool id needs that pool's token (PermissionDenied without
-    # it), so no caller can reset another worker's pool. Off: anyone who reaches the
-    # worker API may reset any pool (the server turns it on with a worker token).
-    require_pool_token: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sequence_tokens <= 16_777_216:

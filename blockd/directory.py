@@ -99,8 +99,8 @@ class BlockDirectory:
     ) -> Registration:
         """Declare a pool. With the id of a known pool, that pool is reset (references,
         sequences and index dropped) under a bumped epoch; an unknown id is created
-        (a worker re-registering after a blockd restart). With `require_pool_token`, a
-        live pool is reset only for the caller presenting its `pool_token`."""
+        (a worker re-registering after a blockd restart). A live pool is reset only for
+        the caller presenting its `pool_token` (its owner)."""
         check_registration(num_blocks, block_size, namespace, worker_address, pool_id, pool_token, host)
         slot = self._leases.register(
             num_blocks, block_size, namespace, worker_address, pool_id, pool_token, host

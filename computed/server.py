@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -144,6 +146,9 @@ def build_server(config: ComputedConfig) -> ComputedServer:
         options=[
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
+            # One daemon per port: gRPC's default SO_REUSEPORT lets a second computed bind
+            # a taken port and share its calls.
+            ("grpc.so_reuseport", 0),
         ]
     )
     address = _bind(server, config)
@@ -332,13 +337,34 @@ def _bind(server: grpc.aio.Server, config: ComputedConfig) -> str:
             root_certificates=client_ca,
             require_client_auth=client_ca is not None,
         )
-        port = server.add_secure_port(config.listen, creds)
     else:
-        port = server.add_insecure_port(config.listen)
+        creds = None
+    try:
+        port = (
+            server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+        )
+    except RuntimeError:  # grpc's message names no cause; _bind_error finds it
+        port = 0
+    if port == 0 and not config.listen.startswith("unix:"):
+        raise SystemExit(f"computed: cannot listen on {config.listen}: {_bind_error(config.listen)}")
     if config.listen.startswith("unix:"):
         return config.listen
     host = config.listen.rsplit(":", 1)[0]
     return f"{host}:{port}"
+
+
+def _bind_error(listen: str) -> str:
+    """Why `listen` cannot be bound ("address in use" where a plain socket can tell)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, int(port)))
+    except (OSError, ValueError) as exc:
+        if getattr(exc, "errno", None) == errno.EADDRINUSE:
+            return "address in use (another process listens there; one daemon per port)"
+        return str(exc)
+    return "gRPC refused it"
 
 
 def _blockd_credentials(config: ComputedConfig) -> grpc.ChannelCredentials | None:

@@ -20,6 +20,7 @@ class Harness:
     pool_id: str
     epoch: int
     block_size: int
+    pool_token: str = ""  # the owner's: re-registering the live pool needs it
     tables: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
@@ -68,4 +69,4 @@ def harness(
     clock = FakeClock()
     directory = BlockDirectory(DirectoryConfig(**config), clock=clock, hasher=hasher)
     reg = directory.register_pool(num_blocks, block_size, NAMESPACE, "worker-0:50052", host=host)
-    return Harness(directory, clock, reg.pool_id, reg.epoch, block_size)
+    return Harness(directory, clock, reg.pool_id, reg.epoch, block_size, reg.pool_token)

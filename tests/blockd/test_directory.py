@@ -393,7 +393,7 @@ def test_step_renews_the_lease():
 def test_reregister_resets_the_pool():
     h = harness()
     h.run(1, A)
-    reg = h.directory.register_pool(8, 4, NAMESPACE, "w", pool_id=h.pool_id)
+    reg = h.directory.register_pool(8, 4, NAMESPACE, "w", pool_id=h.pool_id, pool_token=h.pool_token)
     assert reg.epoch == h.epoch + 1
     with pytest.raises(StaleEpoch, match="stale"):
         h.directory.step(h.pool_id, h.epoch)

@@ -27,7 +27,7 @@ WORKER = (("authorization", f"Bearer {WORKER_TOKEN}"),)
 
 
 def test_a_strangers_reregistration_of_a_live_pool_is_refused_and_changes_nothing():
-    h = harness(require_pool_token=True)
+    h = harness()
     h.run(1, A)
     before = snapshot(h.directory)
     for token in (None, "guess"):
@@ -38,7 +38,7 @@ def test_a_strangers_reregistration_of_a_live_pool_is_refused_and_changes_nothin
 
 
 def test_the_owner_with_its_pool_token_gets_its_pool_back():
-    h = harness(require_pool_token=True)
+    h = harness()
     first = h.directory.register_pool(16, 4, NAMESPACE, "worker-1:1", pool_id="worker-1")
     assert len(first.pool_token) >= 24
     again = h.directory.register_pool(
@@ -52,7 +52,7 @@ def test_the_owner_with_its_pool_token_gets_its_pool_back():
 
 
 def test_a_lapsed_pool_may_be_claimed_and_a_restarted_blockd_adopts_the_token():
-    h = harness(require_pool_token=True, lease_ttl_seconds=10)
+    h = harness(lease_ttl_seconds=10)
     owner = h.directory.register_pool(16, 4, NAMESPACE, "w", pool_id="worker-2")
     h.clock.advance(11)  # the worker is gone: its pool holds nothing worth protecting
     claimed = h.directory.register_pool(16, 4, NAMESPACE, "w2", pool_id="worker-2")
@@ -65,12 +65,9 @@ def test_a_lapsed_pool_may_be_claimed_and_a_restarted_blockd_adopts_the_token():
         restarted.register_pool(16, 4, NAMESPACE, "x", pool_id="worker-2", pool_token=claimed.pool_token)
 
 
-def test_without_the_requirement_anyone_may_reset_a_pool_as_before():
-    h = harness()  # require_pool_token defaults to off: an open worker API
-    h.run(1, A)
-    reg = h.directory.register_pool(16, 4, NAMESPACE, "w", pool_id=h.pool_id)
-    assert reg.epoch == h.epoch + 1
-    assert DirectoryConfig().require_pool_token is False
+def test_a_pool_is_its_owners_with_every_configuration():
+    """No setting lets a stranger reset a live pool (issue 43: the default once did)."""
+    assert not any("pool_token" in name for name in DirectoryConfig.__dataclass_fields__)
 
 
 # ---------------------------------------------------------------- the gRPC services
@@ -172,11 +169,14 @@ async def test_route_needs_the_route_token_when_one_is_set(guarded):
     await guarded.routing.Route(request, metadata=(("authorization", "Bearer r0ute"),))
 
 
-async def test_open_worker_api_by_default():
+async def test_open_worker_api_by_default_but_a_live_pool_stays_its_owners():
     env = await start_inprocess(_config())
     try:
-        pool = await env.workers.RegisterPool(_register())
-        again = await env.workers.RegisterPool(_register())  # anyone may reset it, as before
+        pool = await env.workers.RegisterPool(_register())  # no worker token needed
+        for stranger in ("", "not-the-token"):
+            code, details = await _code(env.workers.RegisterPool(_register(pool_token=stranger)))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "pool_token" in details
+        again = await env.workers.RegisterPool(_register(pool_token=pool.pool_token))
         assert again.epoch == pool.epoch + 1
         await env.routing.Route(pb.RouteRequest(token_ids=[1]))
     finally:
@@ -215,7 +215,27 @@ async def test_computed_directory_client_presents_the_worker_and_pool_tokens(gua
 
 def test_daemon_says_when_the_worker_api_is_open_and_takes_the_token_from_the_environment(tmp_path):
     open_daemon = start_blockd(tmp_path / "open", "--log-format", "json")
-    assert open_daemon.stop(signal.SIGTERM) == 0
+    try:  # the default mode: a stranger cannot take a live pool and wipe its cache
+        with grpc.insecure_channel(open_daemon.address) as channel:
+            workers = pb_grpc.BlockDirectoryServiceStub(channel)
+            owner = workers.RegisterPool(_register(), timeout=5)
+            prompt = list(range(1000, 1040))
+            step = pb.StepRequest(pool_id=owner.pool_id, epoch=owner.epoch)
+            step.admits.add(sequence_id=1, token_ids=prompt)
+            table = workers.Step(step, timeout=5).admits[0].block_ids
+            step = pb.StepRequest(pool_id=owner.pool_id, epoch=owner.epoch)
+            step.commits.add(sequence_id=1, block_ids=table[:2], token_ids=prompt[:32])
+            step.releases.add(sequence_id=1)
+            workers.Step(step, timeout=5)
+            with pytest.raises(grpc.RpcError) as info:
+                workers.RegisterPool(_register(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "pool_token" in info.value.details()
+            admin = pb_grpc.DirectoryAdminServiceStub(channel)
+            lookup = admin.Lookup(pb.LookupRequest(token_ids=prompt), timeout=5)
+            assert lookup.matches[0].num_cached_tokens == 32  # the owner's cache survived
+    finally:
+        assert open_daemon.stop(signal.SIGTERM) == 0
     events = [json.loads(line) for line in open_daemon.log().splitlines() if line.startswith("{")]
     opened = [e for e in events if e["event"].startswith("worker API open")]
     assert len(opened) == 1 and opened[0]["level"] == "info"  # loopback: one line, no alarm

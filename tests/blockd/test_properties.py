@@ -94,7 +94,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         )
         self.directory = BlockDirectory(self.config, clock=self.clock, hasher=self.hasher)
         reg = self.directory.register_pool(NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", host=self.host_spec)
-        self.pool_id, self.epoch = reg.pool_id, reg.epoch
+        self.pool_id, self.epoch, self.pool_token = reg.pool_id, reg.epoch, reg.pool_token
         self.live: dict[int, WorkerSequence] = {}
         self.kv: dict[int, tuple] = {}  # physical block -> what the worker wrote into it
         self.host_kv: dict[int, tuple] = {}  # host tier block -> what the worker copied there
@@ -358,7 +358,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id, host=self.host_spec
         )
         assert reg.epoch > old_epoch
-        self.epoch = reg.epoch
+        self.epoch, self.pool_token = reg.epoch, reg.pool_token
         self.num_steps = 0
 
     @precondition(lambda self: self.num_steps >= 12)
@@ -370,7 +370,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.directory = BlockDirectory(self.config, clock=self.clock, hasher=self.hasher)
             self.pins.clear()
         reg = self.directory.register_pool(
-            NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id, host=self.host_spec
+            NUM_BLOCKS, BLOCK_SIZE, NAMESPACE, "worker:1", self.pool_id, self.pool_token, host=self.host_spec
         )
         self.epoch = reg.epoch
         declared = []

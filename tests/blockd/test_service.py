@@ -71,7 +71,7 @@ async def test_resync_after_reregister(blockd):
     pool = await register(blockd, pool_id="worker-7")
     assert pool.pool_id == "worker-7"
     admitted = (await step(blockd, pool, admits=[pb.AdmitOp(sequence_id=5, token_ids=PROMPT)])).admits[0]
-    again = await register(blockd, pool_id="worker-7")
+    again = await register(blockd, pool_id="worker-7", pool_token=pool.pool_token)
     assert again.epoch == pool.epoch + 1
     reply = await blockd.workers.Resync(
         pb.ResyncRequest(

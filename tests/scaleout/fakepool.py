@@ -34,6 +34,7 @@ class FakePool:
         self.pool_id = reply.pool_id
         self.epoch = reply.epoch
         self._registration.pool_id = reply.pool_id
+        self._registration.pool_token = reply.pool_token  # the owner's proof on reregister()
 
     @property
     def worker_address(self) -> str:
