@@ -204,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         "[env COMPUTED_FORWARD_ON]",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps replayed as CUDA graphs at a ladder of batch sizes (default: on CUDA, "
+        "off elsewhere; on CPU --cuda-graphs runs the same static buffers eagerly)",
+    )
+    p.add_argument(
         "--drain-seconds",
         type=float,
         default=float(_env("COMPUTED_DRAIN_SECONDS", "30")),
@@ -251,6 +258,7 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             admission_window_seconds=a.admission_window_ms / 1e3,
             decode_steps=a.decode_steps,
             forward_on=a.forward_on,
+            cuda_graphs=a.cuda_graphs,
             max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
             worker_address=announced_address(a.worker_address, a.listen),
             ready_file=_optional_path(a.ready_file),

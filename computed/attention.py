@@ -170,8 +170,9 @@ class AttentionBatch:
     """Everything one forward needs to know about where K/V lives. Build with `build`.
 
     Invariants: spans are in flat-batch order and tile [0, T) exactly; `write_slots` are
-    distinct; `write_token_index` is ascending; every query row is covered by the tiles'
-    partials, which together read exactly its context once.
+    distinct and `write_token_index` ascending (but in a static decode batch, whose padding
+    rows repeat row 0's slot and row: the same bytes to the same place); every query row is
+    covered by the tiles' partials, which together read exactly its context once.
     """
 
     block_size: int
@@ -192,6 +193,10 @@ class AttentionBatch:
     # (T, depth) int64 partials of each query row, R = none (see AttentionPlan.merge_index).
     merge_index: torch.Tensor | None = None
     plan: AttentionPlan | None = None  # what the tiles were made from (host arrays)
+    # True: `write_token_index` picks the written rows even where W == T (a static decode
+    # batch's padding rows write row 0's K/V again, `computed.decode_graphs`); False: W == T
+    # means every token, in order.
+    write_rows_selected: bool = False
 
     @functools.cached_property
     def native_tiles(self) -> tuple[list[torch.Tensor], list[bool], list[bool]]:
@@ -427,7 +432,7 @@ def write_new_kv(
     num_writes = batch.write_slots.shape[0]
     if num_writes == 0:
         return
-    if num_writes != batch.num_tokens:  # ascending token indices: W == T means all, in order
+    if num_writes != batch.num_tokens or batch.write_rows_selected:  # else all, in order
         k_new = k_new.index_select(0, batch.write_token_index)
         v_new = v_new.index_select(0, batch.write_token_index)
     key_cache, value_cache = pool.key(layer_idx), pool.value(layer_idx)  # (N, B, Hkv, D)

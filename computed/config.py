@@ -60,6 +60,10 @@ class ComputedConfig:
     # "thread": the loop keeps admitting requests during a step; "loop" saves a thread wake a
     # step but admits a burst over several steps (compute_thread.py measured both).
     forward_on: str = "thread"
+    # Plain decode steps replayed as CUDA graphs at a ladder of batch sizes
+    # (computed/decode_graphs.py). None: on CUDA only; on CPU the same static buffers run
+    # eagerly, 1.42x an eager 1-row step (`python -m bench.decode_graphs`), so off there.
+    cuda_graphs: bool | None = None
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     # Address clients use to reach this worker (announced to blockd for routing);

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from computed.attention import AttentionBatch, SpanInput, decode_segment_min_reads
+from computed.decode_graphs import DecodeGraphs
 from computed.directory_ops import CopyPlan
 from computed.host_kv import HostKV
 from computed.kv_pool import KVPool
@@ -96,6 +97,9 @@ class ModelRunner:
         device: torch.device,
         host: HostKV | None = None,
         shared: SharedKV | None = None,
+        decode_graphs: bool = False,
+        max_num_seqs: int = 1,
+        max_context: int | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -107,6 +111,15 @@ class ModelRunner:
         # Which attention code runs, chosen once for this model and pool (computed.backends).
         choice = model.choose_attention_backend(pool)
         log.info("attention_backend_selected", backend=choice.backend.name, reason=choice.reason)
+        # Plain decode steps of up to `max_num_seqs` rows over static buffers, replayed as
+        # CUDA graphs on CUDA (computed.decode_graphs); captured here, before any block is live.
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs and DecodeGraphs.supports(choice.backend.name):
+            # Slot tables as wide as the longest context served (8,192 keys without a limit).
+            width = max_context or min(model.rotary.max_positions, 8192)
+            self.decode_graphs = DecodeGraphs(model, pool, block_size, max_num_seqs, width)
+            graphs = self.decode_graphs
+            log.info("decode_graphs_ready", buckets=graphs.buckets, captured=graphs.capture)
         self._generators: dict[SequenceId, torch.Generator] = {}
         self._seeds: dict[SequenceId, int | None] = {}
         self.logprobs = LogprobStore()
@@ -193,7 +206,10 @@ class ModelRunner:
         min_reads = self._min_decode_segment_reads
         out: list[int | None] = [None] * inp.num_chunks
         if len(inp.sample_rows) == len(inp.token_ids):  # every row read (a decode step)
-            hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
+            graphs = self.decode_graphs
+            hidden = None if graphs is None else graphs.run(inp.token_ids, inp.spans)  # (T, hidden)
+            if hidden is None:  # a step the static buffers do not serve: eager
+                hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
         elif inp.prompt_rows:  # prompt logprobs read more rows than the sampled ones
             hidden = self.model(input_ids, batch, self.pool)  # (T, hidden)
             self._prompt_logprobs(hidden, inp.prompt_rows)

@@ -249,7 +249,11 @@ def _build_compute(config: ComputedConfig, device: torch.device, dtype: torch.dt
     shared = None
     if config.shared_tier is not None:
         shared = SharedKV(pool, SharedStore(config.shared_tier, config.shared_tier_timeout_seconds))
-    runner = ModelRunner(loaded.model, pool, config.block_size, device, host, shared)
+    graphs = device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
+    runner = ModelRunner(
+        loaded.model, pool, config.block_size, device, host, shared,
+        decode_graphs=graphs, max_num_seqs=config.max_num_seqs, max_context=config.max_model_len,
+    )  # fmt: skip
     if device.type == "cuda":  # compile the attention kernel now, not under the first requests
         triton_attention.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, device)
     load_seconds = prefill_seconds = 0.0

@@ -197,7 +197,8 @@ class NativeForward:
         cos, sin = self.rotary.cos_sin(batch.positions, batch.max_position, x.dtype)  # (T, D) each
         h = rms(x, self.layers[0].input_norm, eps)
         # Every token's K/V is written but a fully cached prompt's recomputed last position.
-        write_index = None if batch.write_slots.shape[0] == batch.num_tokens else batch.write_token_index
+        writes_all = batch.write_slots.shape[0] == batch.num_tokens and not batch.write_rows_selected
+        write_index = None if writes_all else batch.write_token_index
         if read is None and self.whole is not None and pool.kv.dtype in NATIVE_POOL_DTYPES:
             op, args = self.whole
             tiles, causal, in_order = batch.native_tiles
