@@ -45,6 +45,9 @@ from dataclasses import dataclass
 from gateway.prefix_hash import PromptChain, token_bytes
 
 
+# Tier and Kind are the contract's enums (kvcache.v1.Tier, BlockEventKind) by name and
+# number; the mirror stays free of generated code, and gateway.mirror_feed builds its
+# mapping from the generated descriptors, so the two cannot drift apart.
 class Tier(enum.Enum):
     DEVICE = 1
     HOST = 2

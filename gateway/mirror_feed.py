@@ -41,15 +41,14 @@ MAX_BACKOFF_SECONDS = 2.0
 REFUSED_RETRY_SECONDS = 30.0
 OVERFLOW_RETRY_SECONDS = 30.0
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+# The contract's enums, value by value (an UNSPECIFIED 0 aside): a kind or tier added to
+# the proto that the mirror does not know fails here, at import, not as a silent miss.
 _KINDS = {
-    pb.BLOCK_EVENT_KIND_STORED: Kind.STORED,
-    pb.BLOCK_EVENT_KIND_REMOVED: Kind.REMOVED,
-    pb.BLOCK_EVENT_KIND_CLEARED: Kind.CLEARED,
-    pb.BLOCK_EVENT_KIND_GAP: Kind.GAP,
-    pb.BLOCK_EVENT_KIND_DEMOTED: Kind.DEMOTED,
-    pb.BLOCK_EVENT_KIND_LOADED: Kind.LOADED,
+    v.number: Kind[v.name.removeprefix("BLOCK_EVENT_KIND_")]
+    for v in pb.BlockEventKind.DESCRIPTOR.values
+    if v.number
 }
-_TIERS = {pb.TIER_DEVICE: Tier.DEVICE, pb.TIER_HOST: Tier.HOST, pb.TIER_SHARED: Tier.SHARED}
+_TIERS = {v.number: Tier[v.name.removeprefix("TIER_")] for v in pb.Tier.DESCRIPTOR.values if v.number}
 
 
 class _Stalled(Exception):

@@ -306,3 +306,15 @@ async def test_the_mirror_needs_blockd_admin_token(tmp_path) -> None:
         await allowed.close()
         await channel_aio.close()
         daemon.stop()
+
+
+def test_kinds_and_tiers_are_the_contracts_enums() -> None:
+    from kvcache.v1 import directory_pb2
+
+    kinds = {
+        v.name.removeprefix("BLOCK_EVENT_KIND_"): v.number
+        for v in directory_pb2.BlockEventKind.DESCRIPTOR.values
+    }
+    tiers = {v.name.removeprefix("TIER_"): v.number for v in directory_pb2.Tier.DESCRIPTOR.values}
+    assert {k.name: k.value for k in Kind} == {n: v for n, v in kinds.items() if v}
+    assert {t.name: t.value for t in Tier} == {n: v for n, v in tiers.items() if v}
