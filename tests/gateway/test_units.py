@@ -349,6 +349,16 @@ def test_parse_args_builds_the_config(tmp_path, monkeypatch) -> None:
     assert dict(config.api_keys) == {"k": "t", "e": "u"}
 
 
+def test_workers_come_from_blockd_unless_listed_or_turned_off(monkeypatch) -> None:
+    for name in ("GATEWAY_DISCOVER", "GATEWAY_COMPUTED", "GATEWAY_BLOCKD"):
+        monkeypatch.delenv(name, raising=False)
+    assert parse_args([]).discover and parse_args([]).computed == ()  # every worker from blockd
+    assert parse_args(["--no-discover"]).computed == ("127.0.0.1:50052",)
+    assert parse_args(["--blockd", ""]).computed == ("127.0.0.1:50052",)  # nothing to discover from
+    monkeypatch.setenv("GATEWAY_DISCOVER", "0")
+    assert not parse_args([]).discover
+
+
 def test_the_directory_mirror_is_on_unless_turned_off(monkeypatch) -> None:
     monkeypatch.delenv("GATEWAY_MIRROR", raising=False)
     assert parse_args([]).mirror and parse_args([]).blockd_admin_token is None
@@ -363,7 +373,8 @@ def test_the_directory_mirror_is_on_unless_turned_off(monkeypatch) -> None:
     "kwargs",
     [
         {"listen": "8000"},
-        {"computed": ()},
+        {"computed": (), "discover": False},  # no workers and none to learn
+        {"computed": (), "blockd": None},
         {"routing": "random"},
         {"max_inflight_per_worker": 0},
         {"computed": ("http://a:1",)},
