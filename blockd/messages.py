@@ -45,7 +45,7 @@ def step_ops_from(
     request: pb.StepRequest,
 ) -> tuple[list[CommitOp], list[ReleaseOp], list[GrowOp], list[AdmitOp]]:
     return (
-        [CommitOp(op.sequence_id, op.block_ids, op.token_ids) for op in request.commits],
+        [CommitOp(op.sequence_id, op.block_ids, op.token_ids, op.token_bytes) for op in request.commits],
         [ReleaseOp(op.sequence_id) for op in request.releases],
         [GrowOp(op.sequence_id, op.num_tokens) for op in request.grows],
         [
@@ -56,6 +56,7 @@ def step_ops_from(
                 op.public_prefix_tokens,
                 cache_policy_from(op.cache_policy, f"admit of sequence {op.sequence_id}"),
                 op.retention_priority,
+                op.token_bytes,
             )
             for op in request.admits
         ],

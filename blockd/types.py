@@ -106,6 +106,7 @@ class AdmitOp:
     public_prefix_tokens: int = 0
     cache_policy: CachePolicy = CachePolicy.STORE
     retention_priority: int = 0  # 1..100 (TensorRT-LLM's scale); 0: unset, the default 35
+    token_bytes: bytes = b""  # the prompt packed (uint32 LE), instead of token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +117,13 @@ class GrowOp:
 
 @dataclass(frozen=True, slots=True)
 class CommitOp:
+    """Both token fields empty: the blocks' tokens are the ones the directory holds
+    for the sequence (commit by block index)."""
+
     sequence_id: SequenceId
     block_ids: Sequence[int]
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] = ()
+    token_bytes: bytes = b""  # the tokens packed (uint32 LE), instead of token_ids
 
 
 @dataclass(frozen=True, slots=True)

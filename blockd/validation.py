@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from blockd.config import MAX_BLOCK_SIZE, MAX_POOL_BLOCKS, DirectoryConfig
 from blockd.eviction import DEFAULT_RETENTION, MAX_RETENTION
-from blockd.hashing import block_width, token_bytes
+from blockd.hashing import TOKEN_BYTES, block_width, token_bytes
 from blockd.pool import BlockPool, ResyncPlan
 from blockd.prompt import Prompt
 from blockd.types import (
@@ -108,20 +108,43 @@ def shown(pool_id: str) -> str:
 
 
 def make_prompt(
-    token_ids: Seq[int], cache_salt: str, public_prefix_tokens: int, max_tokens: int, what: str
+    token_ids: Seq[int],
+    cache_salt: str,
+    public_prefix_tokens: int,
+    max_tokens: int,
+    what: str,
+    packed: bytes = b"",
 ) -> Prompt:
-    """Validate a client's token list; `what` names it in error messages."""
-    if not token_ids:
+    """Validate a client's tokens (a list, or `packed` uint32 LE bytes); `what` names
+    them in error messages."""
+    data = packed_tokens(token_ids, packed, what)
+    num_tokens = len(data) // TOKEN_BYTES
+    if not num_tokens:
         raise InvalidArgument(f"{what}: token_ids is empty; send at least one token")
-    if len(token_ids) > max_tokens:
+    if num_tokens > max_tokens:
         raise InvalidArgument(
-            f"{what}: {len(token_ids)} tokens exceed the limit of {max_tokens} "
+            f"{what}: {num_tokens} tokens exceed the limit of {max_tokens} "
             f"per sequence (blockd --max-sequence-tokens)"
         )
     check_salt(cache_salt, what)
     if public_prefix_tokens < 0:
         raise InvalidArgument(f"{what}: public_prefix_tokens must be >= 0, got {public_prefix_tokens}")
-    return Prompt(token_bytes(token_ids), cache_salt, public_prefix_tokens)
+    return Prompt(data, cache_salt, public_prefix_tokens)
+
+
+def packed_tokens(token_ids: Seq[int], packed: bytes, what: str) -> bytes:
+    """The tokens as uint32 LE bytes, from whichever field carried them. Packed bytes
+    are taken as they are (no conversion: the cheap path of a busy worker)."""
+    if packed:
+        if len(token_ids):
+            raise InvalidArgument(f"{what}: send the tokens in token_ids or in token_bytes, not both")
+        if len(packed) % TOKEN_BYTES:
+            raise InvalidArgument(
+                f"{what}: token_bytes holds {len(packed)} bytes, not a multiple of {TOKEN_BYTES} "
+                f"(each token id is 4 bytes, unsigned little-endian)"
+            )
+        return bytes(packed)
+    return token_bytes(token_ids)
 
 
 def check_salt(cache_salt: str, what: str) -> None:
@@ -216,7 +239,12 @@ def plan_step(
         admitted.add(sequence_id)
         what = f"admit of sequence {sequence_id}"
         prompt = make_prompt(
-            op.token_ids, op.cache_salt, op.public_prefix_tokens, config.max_sequence_tokens, what
+            op.token_ids,
+            op.cache_salt,
+            op.public_prefix_tokens,
+            config.max_sequence_tokens,
+            what,
+            op.token_bytes,
         )
         _check_num_tokens(pool, config, prompt.num_tokens, what)
         check_retention_priority(op.retention_priority, what)
@@ -297,15 +325,25 @@ def _plan_commit(
             f"{what}: block_ids must be the run of the table from its first "
             f"uncommitted block (index {start}, {first}); got {block_ids[:8]}"
         )
-    data = token_bytes(op.token_ids)
     width = block_width(pool.block_size)
+    known = sequence.token_bytes
+    offset = start * width
+    if not (len(op.token_ids) or op.token_bytes):  # by block index: the tokens blockd holds
+        data = known[offset : offset + len(block_ids) * width]
+        if len(data) != len(block_ids) * width:
+            raise InvalidArgument(
+                f"{what}: no tokens sent, and blockd holds tokens up to token "
+                f"{len(known) // TOKEN_BYTES} only (the prompt): send the token_ids of blocks "
+                f"past it (blocks {start} .. {start + len(block_ids) - 1} of the table)"
+            )
+        next_commit[op.sequence_id] = start + len(block_ids)
+        return op.sequence_id, block_ids, data
+    data = packed_tokens(op.token_ids, op.token_bytes, what)
     if len(data) != len(block_ids) * width:
         raise InvalidArgument(
             f"{what}: partial block: {len(block_ids)} blocks need exactly "
-            f"{len(block_ids) * pool.block_size} tokens, got {len(op.token_ids)}"
+            f"{len(block_ids) * pool.block_size} tokens, got {len(data) // TOKEN_BYTES}"
         )
-    known = sequence.token_bytes
-    offset = start * width
     overlap = max(0, min(len(data), len(known) - offset))
     if data[:overlap] != known[offset : offset + overlap]:
         raise InvalidArgument(

@@ -268,7 +268,7 @@ async def test_bad_worker_calls_get_exact_codes(blockd):
 
 async def test_stale_epoch_after_reregister(blockd):
     pool = await register(blockd, pool_id="w-1")
-    await register(blockd, pool_id="w-1")
+    await register(blockd, pool_id="w-1", pool_token=pool.pool_token)
     await expect(
         grpc.StatusCode.FAILED_PRECONDITION,
         blockd.workers.RenewLease(pb.RenewLeaseRequest(pool_id="w-1", epoch=pool.epoch)),

@@ -157,7 +157,9 @@ def test_a_rebuild_links_records_by_parent_and_leaves_orphans_out():
 def test_a_reset_pool_forgets_its_writes_in_flight():
     a, b = two_pools()
     stores = stored_on(a, 1, A)
-    a.directory.register_pool(16, BS, NAMESPACE, "worker-0:50052", pool_id=a.pool_id, host=SHARED)
+    a.directory.register_pool(
+        16, BS, NAMESPACE, "worker-0:50052", pool_id=a.pool_id, pool_token=a.pool_token, host=SHARED
+    )
     assert a.directory.shared.index_for(a.pool.seed).pending == {}
     # b computing the same content is asked to store it now.
     assert len(stored_on(b, 1, A)) == len(stores)

@@ -22,6 +22,7 @@ from computed.errors import DirectoryUnavailable
 class Lease:
     pool_id: str
     epoch: int
+    pool_token: str = ""
 
 
 class InProcessDirectory:
@@ -88,9 +89,10 @@ class InProcessDirectory:
             self.namespace,
             "in-process",
             bt.PoolId(self.lease.pool_id) if self.lease else None,
+            self.lease.pool_token if self.lease else None,  # a live pool is its owner's
             host=self.host,
         )
-        self.lease = Lease(reg.pool_id, reg.epoch)
+        self.lease = Lease(reg.pool_id, reg.epoch, reg.pool_token)
         self.directory.resync(
             reg.pool_id,
             reg.epoch,

@@ -1,0 +1,85 @@
+"""The cheap wire forms of a Step (issue 43): a prompt as packed uint32 LE bytes
+(`token_bytes`) instead of varints, and a commit by block index that sends no tokens
+because blockd holds them from the admission."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from blockd.hashing import token_bytes
+from blockd.types import AdmitOp, CommitOp, InvalidArgument, ReleaseOp
+from kvcache.v1 import directory_pb2 as pb
+from tests.blockd.helpers import harness
+from tests.blockd.invariants import snapshot
+
+A = list(range(100, 112))  # 3 full blocks of 4
+B = A + [7, 8, 9, 10, 11]  # 4 full blocks and a tail
+
+
+def test_a_packed_prompt_admits_exactly_as_its_token_list():
+    listed, packed = harness(), harness()
+    for h, op in ((listed, AdmitOp(1, A)), (packed, AdmitOp(1, (), token_bytes=token_bytes(A)))):
+        table = h.step(admits=[op]).admits[0].block_ids
+        h.step(commits=[CommitOp(1, table, A)], releases=[ReleaseOp(1)])
+    assert list(listed.pool.index) == list(packed.pool.index)  # the same hashes
+    for h, op in ((listed, AdmitOp(2, B)), (packed, AdmitOp(2, (), token_bytes=token_bytes(B)))):
+        result = h.step(admits=[op]).admits[0]
+        assert result.admitted and result.num_cached_tokens == 12
+
+
+def test_commit_by_block_index_uses_the_admitted_prompt():
+    h = harness()
+    table = h.admit(1, B).block_ids
+    h.step(commits=[CommitOp(1, table[:2])])  # no tokens: blocks 0 and 1 of the prompt
+    h.step(commits=[CommitOp(1, table[2:4], token_bytes=token_bytes(B[8:16]))])  # packed, in the prompt
+    h.release(1)
+    assert h.admit(2, B).num_cached_tokens == 16
+
+
+def test_commit_by_index_past_the_known_tokens_is_refused_and_changes_nothing():
+    h = harness()
+    table = h.admit(1, A + [1]).block_ids  # 3 full blocks + 1 token: blockd holds 13 tokens
+    before = snapshot(h.directory)
+    with pytest.raises(InvalidArgument, match="send the token_ids of blocks past it"):
+        h.directory.step(h.pool_id, h.epoch, commits=[CommitOp(1, table[:4])])
+    assert snapshot(h.directory) == before
+    h.step(commits=[CommitOp(1, table[:3])])  # the full prompt blocks are fine
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        (AdmitOp(1, A, token_bytes=token_bytes(A)), "not both"),
+        (AdmitOp(1, (), token_bytes=b"\x01\x02\x03"), "multiple of 4"),
+        (AdmitOp(1, (), token_bytes=b""), "empty"),
+    ],
+)
+def test_bad_packed_prompts_are_refused(op, message):
+    h = harness()
+    before = snapshot(h.directory)
+    with pytest.raises(InvalidArgument, match=message):
+        h.directory.step(h.pool_id, h.epoch, admits=[op])
+    assert snapshot(h.directory) == before
+
+
+async def test_the_packed_fields_over_grpc(blockd):
+    reg = await blockd.workers.RegisterPool(
+        pb.RegisterPoolRequest(num_blocks=16, block_size=4, namespace=pb.Namespace(model_id="m"))
+    )
+
+    def step(**ops) -> pb.StepRequest:
+        return pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch, **ops)
+
+    packed = token_bytes(B)
+    admitted = (
+        await blockd.workers.Step(step(admits=[pb.AdmitOp(sequence_id=1, token_bytes=packed)]))
+    ).admits[0]
+    assert admitted.admitted and len(admitted.block_ids) == 5
+    commit = pb.CommitOp(sequence_id=1, block_ids=admitted.block_ids[:4])  # by index: no tokens
+    await blockd.workers.Step(step(commits=[commit], releases=[pb.ReleaseOp(sequence_id=1)]))
+    again = (await blockd.workers.Step(step(admits=[pb.AdmitOp(sequence_id=2, token_ids=B)]))).admits[0]
+    assert again.num_cached_tokens == 16  # the varint prompt hits what the packed one cached
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await blockd.workers.Step(step(admits=[pb.AdmitOp(sequence_id=3, token_bytes=b"\x00" * 5)]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in info.value.details()
