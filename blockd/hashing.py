@@ -16,6 +16,11 @@ Every walk over a token run goes through `BlockHasher.walk` (cache match, commit
 resync, and the `chain`/`block_hash` helpers the tests use); `split_blocks` and
 `block_payloads` are the only places that cut tokens into blocks.
 
+The rule itself (the seed's fields, the salt tag, the token encoding) is the
+contract's: `kvcache_contract.block_hash`, checked against its published vectors
+(tests/test_block_hash_vectors.py); this module adds the injectable digest, the walk
+that stops at the first miss, and validation of client tokens.
+
 Hashes only find candidates; the directory verifies every hit exactly (parent
 block, payload), so a collision costs a miss, never wrong K/V. Tests prove it by
 injecting a `BlockHasher` with a deliberately weak digest.
@@ -28,16 +33,14 @@ from array import array
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import xxhash
 
 from blockd.types import BlockHash, InvalidArgument, Namespace
+from kvcache_contract import block_hash as rule
+from kvcache_contract.block_hash import HASH_BYTES, TOKEN_BYTES
 
 Digest = Callable[[bytes], bytes]
 
-HASH_BYTES = 16
-TOKEN_BYTES = 4  # one uint32 per token
 UNSALTED_TAG = b""  # see the module docstring: lengths disambiguate
-_NAMESPACE_TAG = b"kvcache.v1/namespace"
 _SPLIT_WITH_NUMPY_FROM = 8  # blocks; below, plain slices are faster (a cold match probes one)
 
 assert array("I").itemsize == TOKEN_BYTES, "array('I') must hold uint32 on this platform"
@@ -89,19 +92,10 @@ def split_blocks(data: bytes, block_size: int) -> list[bytes]:
     return np.frombuffer(data, dtype=f"V{width}", count=count).tolist()
 
 
-def salt_tag(salt: str) -> bytes:
-    """The unambiguous encoding of a salt mixed into a block (never for an empty salt)."""
-    assert salt, "an empty salt is no salt"
-    encoded = salt.encode("utf-8")
-    return b"\x01" + len(encoded).to_bytes(4, "little") + encoded
-
-
-def salt_block_index(salt: str, public_prefix_tokens: int, block_size: int) -> int | None:
-    """The one block the salt is mixed into: the first block that reaches past the
-    public prefix (block 0 without one); None when there is no salt."""
-    if not salt:
-        return None
-    return public_prefix_tokens // block_size
+salt_tag = rule.salt_tag  # the unambiguous encoding of a salt mixed into a block
+# The one block the salt is mixed into: the first block that reaches past the public
+# prefix (block 0 without one); None when there is no salt.
+salt_block_index = rule.salt_block_index
 
 
 def block_payloads(blocks: list[bytes], salt: str, salt_index: int | None) -> list[bytes]:
@@ -115,11 +109,6 @@ def block_payloads(blocks: list[bytes], salt: str, salt_index: int | None) -> li
     return payloads
 
 
-def _encode_field(value: str) -> bytes:
-    encoded = value.encode("utf-8")
-    return len(encoded).to_bytes(4, "little") + encoded
-
-
 class BlockHasher:
     """Computes namespace seeds and walks block chains with an injectable digest.
 
@@ -127,23 +116,15 @@ class BlockHasher:
     single byte) to force collisions; the directory must then miss, never mismatch.
     """
 
-    def __init__(self, digest: Digest = xxhash.xxh3_128_digest) -> None:
+    def __init__(self, digest: Digest = rule.digest) -> None:
         # Checked once here, not per block: the walk is the hot path.
         assert len(digest(b"")) == HASH_BYTES, f"a digest must answer {HASH_BYTES} bytes"
         self.digest = digest
 
     def namespace_seed(self, namespace: Namespace, block_size: int) -> BlockHash:
         """h_{-1}: derived from everything that changes K/V besides the tokens."""
-        data = b"".join(
-            [
-                _NAMESPACE_TAG,
-                _encode_field(namespace.model_id),
-                _encode_field(namespace.model_revision),
-                _encode_field(namespace.dtype),
-                _encode_field(namespace.adapter_id),
-                block_size.to_bytes(4, "little"),
-            ]
-        )
+        ns = namespace
+        data = rule.namespace_seed_input(ns.model_id, ns.model_revision, ns.dtype, ns.adapter_id, block_size)
         return BlockHash(self.digest(data))
 
     def walk(
@@ -192,7 +173,7 @@ def truncated_hasher(num_bytes: int) -> BlockHasher:
     """A test hook: xxh3-128 cut to `num_bytes` (zero-padded), so collisions are common."""
     assert 1 <= num_bytes <= HASH_BYTES, f"keep 1 .. {HASH_BYTES} bytes, got {num_bytes}"
     pad = bytes(HASH_BYTES - num_bytes)
-    return BlockHasher(lambda data: xxhash.xxh3_128_digest(data)[:num_bytes] + pad)
+    return BlockHasher(lambda data: rule.digest(data)[:num_bytes] + pad)
 
 
 def namespace_seed(namespace: Namespace, block_size: int) -> BlockHash:

@@ -2,17 +2,13 @@
 
 The directory mirror (`gateway.mirror`) finds a prompt's cached prefix by hashing its
 full blocks the way blockd does and looking the hashes up in the sets blockd's event
-stream fills. blockd's rule (blockd/hashing.py, DESIGN.md "Hashing and namespaces"):
+stream fills. The rule (DESIGN.md "Hashing and namespaces"):
 
     h_{-1} = H("kvcache.v1/namespace" | len-prefixed model_id, revision, dtype, adapter | block_size)
     h_i    = H(h_{i-1} | salt_tag_i | tokens of block i as uint32 little-endian)
 
-H is xxh3-128; `salt_tag_i` is b"\\x01" + u32 length + the UTF-8 salt for the one block
-the salt is mixed into (the first block that reaches past the public prefix; block 0
-without one) and empty for every other block; an empty salt is no salt. Lengths are
-little-endian u32. The gateway is a client of the contract and imports no daemon, so
-the rule is written a second time here; tests/gateway/test_mirror.py proves that both
-give the same hashes (salted, public prefixes, several block sizes).
+The rule is the contract's (`kvcache_contract.block_hash`, with its published test
+vectors); this module imports it and adds only the lazy, batched walk the mirror needs.
 
 Invariants: only full blocks are hashed (the partial tail never is); hashes are
 computed lazily, left to right, each at most once per `PromptChain`.
@@ -20,40 +16,15 @@ computed lazily, left to right, each at most once per `PromptChain`.
 
 from __future__ import annotations
 
-import sys
-from array import array
-from collections.abc import Sequence
-
 import numpy as np
-import xxhash
 
-_NAMESPACE_TAG = b"kvcache.v1/namespace"
-_digest = xxhash.xxh3_128_digest
+from kvcache_contract.block_hash import digest as _digest
+from kvcache_contract.block_hash import namespace_seed, salt_tag, token_bytes
+
+__all__ = ["PromptChain", "namespace_seed", "salt_tag", "token_bytes"]
+
 _FIRST_BATCH = 4  # blocks hashed at the first `hash()`: a new prompt misses at block 0
 _SPLIT_WITH_NUMPY_FROM = 8  # blocks; below, plain slices are faster
-
-
-def _field(value: str) -> bytes:
-    encoded = value.encode("utf-8")
-    return len(encoded).to_bytes(4, "little") + encoded
-
-
-def namespace_seed(model_id: str, model_revision: str, dtype: str, adapter_id: str, block_size: int) -> bytes:
-    """h_{-1} of a pool: everything besides the tokens that changes its K/V."""
-    fields = b"".join(_field(v) for v in (model_id, model_revision, dtype, adapter_id))
-    return _digest(_NAMESPACE_TAG + fields + block_size.to_bytes(4, "little"))
-
-
-def salt_tag(salt: str) -> bytes:
-    encoded = salt.encode("utf-8")
-    return b"\x01" + len(encoded).to_bytes(4, "little") + encoded
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    packed = array("I", token_ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
 
 
 class PromptChain:
