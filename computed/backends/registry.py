@@ -58,8 +58,8 @@ def select_attention_backend(
 
 
 def _cuda_triton(target: AttentionTarget, cpu_flash: Callable | None) -> BackendChoice | None:
-    if target.device.type != "cuda":
-        return None
+    if target.device.type != "cuda" or target.dtype != target.pool_dtype:
+        return None  # the kernel's products take queries and keys of one dtype
     if not triton_attention.supports(target.head_dim, target.group):
         return None
     flash = triton_attention.paged_flash()
@@ -86,7 +86,10 @@ def _cpu_native(target: AttentionTarget, cpu_flash: Callable | None) -> BackendC
 def _torch_portable(target: AttentionTarget, cpu_flash: Callable | None) -> BackendChoice:
     backend = _portable(target, cpu_flash)
     if target.device.type == "cuda":
-        why = f"cuda without a triton kernel for head_dim={target.head_dim}"
+        why = (
+            f"cuda, no triton kernel for head_dim={target.head_dim} group={target.group}, "
+            f"{target.dtype} model, {target.pool_dtype} pool"
+        )
     elif target.device.type == "cpu" and _native_cpu_dtypes(target):
         why = f"cpu, native kernels not built ({kernels.error()})"
     else:

@@ -170,7 +170,7 @@ def test_captured_graphs_replay_the_static_step_bit_for_bit(
     """On CUDA: graphs captured per bucket and replayed give the bits of the same static
     step run eagerly (the same kernels on the same shapes)."""
     cuda = torch.device("cuda")
-    model = load_model(tiny_models.get(arch), cuda, torch.float32).model
+    model = load_model(tiny_models.get(arch), cuda, pool_dtype).model  # Triton's dtype: the pool's
     decode_both_ways(model, pool_dtype, cuda, capture=True, against="static")
 
 
@@ -182,7 +182,7 @@ def test_captured_graphs_match_the_eager_step(tiny_models: TinyModels, pool_dtyp
     algorithm for the padded row count, so the same greedy tokens and close logits (on CPU
     the products' rows do not depend on the row count: bit for bit above)."""
     cuda = torch.device("cuda")
-    model = load_model(tiny_models.get("qwen3"), cuda, torch.float32).model
+    model = load_model(tiny_models.get("qwen3"), cuda, pool_dtype).model
     decode_both_ways(model, pool_dtype, cuda, capture=True, against="eager", exact=False)
 
 
