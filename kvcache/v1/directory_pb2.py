@@ -4,15 +4,18 @@
 # source: kvcache/v1/directory.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "kvcache/v1/directory.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'kvcache/v1/directory.proto'
 )
 # @@protoc_insertion_point(imports)
 
@@ -22,117 +25,115 @@ _sym_db = _symbol_database.Default()
 from kvcache.v1 import cache_policy_pb2 as kvcache_dot_v1_dot_cache__policy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1akvcache/v1/directory.proto\x12\nkvcache.v1\x1a\x1dkvcache/v1/cache_policy.proto"X\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nadapter_id\x18\x04 \x01(\t"\xc5\x02\n\x13RegisterPoolRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12(\n\tnamespace\x18\x03 \x01(\x0b\x32\x15.kvcache.v1.Namespace\x12\x16\n\x0eworker_address\x18\x04 \x01(\t\x12\x0f\n\x07pool_id\x18\x05 \x01(\t\x12\x12\n\npool_token\x18\x06 \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\x12#\n\x1bhost_load_seconds_per_block\x18\x08 \x01(\x01\x12!\n\x19prefill_seconds_per_token\x18\t \x01(\x01\x12\x17\n\x0fhas_shared_tier\x18\n \x01(\x08\x12%\n\x1dshared_load_seconds_per_block\x18\x0b \x01(\x01"\x9c\x01\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x19\n\x11lease_ttl_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13max_sequence_tokens\x18\x04 \x01(\r\x12\x12\n\npool_token\x18\x05 \x01(\t\x12\x18\n\x10shared_namespace\x18\x06 \x01(\t"3\n\x11RenewLeaseRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04"/\n\x12RenewLeaseResponse\x12\x19\n\x11lease_ttl_seconds\x18\x01 \x01(\x01"\xc3\x01\n\x07\x41\x64mitOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x04 \x01(\r\x12-\n\x0c\x63\x61\x63he_policy\x18( \x01(\x0e\x32\x17.kvcache.v1.CachePolicy\x12\x1a\n\x12retention_priority\x18) \x01(\r"\xb7\x01\n\x0b\x41\x64mitResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12$\n\x05loads\x18\x05 \x03(\x0b\x32\x15.kvcache.v1.BlockCopy\x12-\n\x0cshared_loads\x18\x06 \x03(\x0b\x32\x17.kvcache.v1.SharedBlock"\x85\x01\n\x0bSharedBlock\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x13\n\x0bsalt_digest\x18\x05 \x01(\x0c\x12\x13\n\x0b\x62lock_index\x18\x06 \x01(\r"4\n\tBlockCopy\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x15\n\rhost_block_id\x18\x02 \x01(\r"1\n\x06GrowOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r"G\n\nGrowResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\r\n\x05grown\x18\x02 \x01(\x08\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r"Z\n\x08\x43ommitOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c" \n\tReleaseOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04"\x8c\x02\n\x0bStepRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12%\n\x07\x63ommits\x18\x03 \x03(\x0b\x32\x14.kvcache.v1.CommitOp\x12\'\n\x08releases\x18\x04 \x03(\x0b\x32\x15.kvcache.v1.ReleaseOp\x12!\n\x05grows\x18\x05 \x03(\x0b\x32\x12.kvcache.v1.GrowOp\x12#\n\x06\x61\x64mits\x18\x06 \x03(\x0b\x32\x13.kvcache.v1.AdmitOp\x12\x16\n\x0eshared_written\x18\x07 \x03(\x0c\x12\x15\n\rshared_failed\x18\x08 \x03(\x0c\x12\x16\n\x0eshared_missing\x18\t \x03(\x0c"\xef\x01\n\x0cStepResponse\x12%\n\x05grows\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.GrowResult\x12\'\n\x06\x61\x64mits\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.AdmitResult\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x04 \x01(\r\x12(\n\tdemotions\x18\x05 \x03(\x0b\x32\x15.kvcache.v1.BlockCopy\x12.\n\rshared_stores\x18\x06 \x03(\x0b\x32\x17.kvcache.v1.SharedBlock"}\n\x0eResyncSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x05 \x01(\r"^\n\rResyncRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12-\n\tsequences\x18\x03 \x03(\x0b\x32\x1a.kvcache.v1.ResyncSequence"E\n\x0eResyncResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x1c\n\x14num_committed_blocks\x18\x02 \x01(\r"\x9d\x04\n\tPoolStats\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x05 \x01(\r\x12\x1d\n\x15num_referenced_blocks\x18\x06 \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x07 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x15\n\rnum_sequences\x18\t \x01(\r\x12\x16\n\x0equeried_tokens\x18\n \x01(\x04\x12\x12\n\nhit_tokens\x18\x0b \x01(\x04\x12\x15\n\rnum_evictions\x18\x0c \x01(\x04\x12\x16\n\x0enum_admissions\x18\r \x01(\x04\x12\x1f\n\x17num_admissions_deferred\x18\x0e \x01(\x04\x12+\n\x0bmiss_tokens\x18( \x03(\x0b\x32\x16.kvcache.v1.MissTokens\x12\x12\n\nnum_ghosts\x18) \x01(\r\x12\x12\n\nmax_ghosts\x18* \x01(\r\x12\x17\n\x0f\x65viction_policy\x18+ \x01(\t\x12#\n\x04host\x18\x0f \x01(\x0b\x32\x15.kvcache.v1.TierStats\x12%\n\x06shared\x18, \x01(\x0b\x32\x15.kvcache.v1.TierStats"\xca\x02\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x04 \x01(\r\x12\x1d\n\x15num_referenced_blocks\x18\x05 \x01(\r\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x15\n\rnum_demotions\x18\x07 \x01(\x04\x12\x11\n\tnum_loads\x18\x08 \x01(\x04\x12\x15\n\rnum_evictions\x18\t \x01(\x04\x12\x19\n\x11num_loads_skipped\x18\n \x01(\x04\x12\x1e\n\x16load_seconds_per_block\x18\x0b \x01(\x01\x12#\n\x1brecompute_seconds_per_block\x18\x0c \x01(\x01""\n\x0fGetStatsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t"{\n\x10GetStatsResponse\x12$\n\x05total\x18\x01 \x01(\x0b\x32\x15.kvcache.v1.PoolStats\x12$\n\x05pools\x18\x02 \x03(\x0b\x32\x15.kvcache.v1.PoolStats\x12\x1b\n\x13last_event_sequence\x18\x03 \x01(\x04"\xec\x01\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12(\n\tnamespace\x18\x03 \x01(\x0b\x32\x15.kvcache.v1.Namespace\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x16\n\x0eworker_address\x18\x06 \x01(\t\x12\x1f\n\x17lease_remaining_seconds\x18\x07 \x01(\x01\x12\x0f\n\x07is_live\x18\x08 \x01(\x08\x12$\n\x05stats\x18\t \x01(\x0b\x32\x15.kvcache.v1.PoolStats"\x12\n\x10ListPoolsRequest"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.kvcache.v1.PoolInfo"\xb8\x01\n\tBlockInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x12\n\nblock_hash\x18\x03 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x11\n\tref_count\x18\x06 \x01(\r\x12\x11\n\tis_pinned\x18\x07 \x01(\x08\x12\x13\n\x0b\x62lock_index\x18\x08 \x01(\r\x12\x11\n\tis_salted\x18\t \x01(\x08"K\n\x11ListBlocksRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t"T\n\x12ListBlocksResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.kvcache.v1.BlockInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t"e\n\rLookupRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\x12\x0f\n\x07pool_id\x18\x04 \x01(\t"\xb6\x01\n\tPoolMatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x01(\x01\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x1e\n\x16num_host_cached_tokens\x18\x06 \x01(\r\x12 \n\x18num_shared_cached_tokens\x18\x07 \x01(\r"8\n\x0eLookupResponse\x12&\n\x07matches\x18\x01 \x03(\x0b\x32\x15.kvcache.v1.PoolMatch"S\n\x0c\x46lushRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvcache.v1.Tier"J\n\tTierFlush\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\x12\x0c\n\x04\x62usy\x18\x03 \x01(\r"T\n\rFlushResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\x12\x0c\n\x04\x62usy\x18\x02 \x01(\r\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvcache.v1.TierFlush"w\n\nPinRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07pool_id\x18\x05 \x01(\t"o\n\x0bPinResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x19\n\x11num_pinned_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x03 \x01(\r\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x01"+\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61ll\x18( \x01(\x08"G\n\rUnpinResponse\x12\x1b\n\x13num_unpinned_blocks\x18\x01 \x01(\r\x12\x19\n\x11num_unpinned_pins\x18( \x01(\r"=\n\x12WatchEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x0f\n\x07pool_id\x18\x02 \x01(\t"\xd3\x01\n\x13WatchEventsResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.kvcache.v1.BlockEventKind\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x05 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x1e\n\x04tier\x18\x08 \x01(\x0e\x32\x10.kvcache.v1.Tier"S\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r"~\n\rRouteResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12)\n\ncandidates\x18\x04 \x03(\x0b\x32\x15.kvcache.v1.PoolMatch"H\n\nMissTokens\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.kvcache.v1.MissReason\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04"j\n\x12\x45xplainMissRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\x12\x0f\n\x07pool_id\x18\x04 \x01(\t"\x92\x02\n\x0fMissExplanation\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12&\n\x06reason\x18\x04 \x01(\x0e\x32\x16.kvcache.v1.MissReason\x12\x19\n\x11num_missed_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_partial_tokens\x18\x06 \x01(\r\x12\x1b\n\x13\x66irst_missing_block\x18\x07 \x01(\r\x12\x12\n\nevicted_by\x18\x08 \x01(\t\x12\x13\n\x0bseconds_ago\x18\t \x01(\x01\x12\x16\n\x0eother_pool_ids\x18\n \x03(\t"U\n\x13\x45xplainMissResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12*\n\x05pools\x18\x02 \x03(\x0b\x32\x1b.kvcache.v1.MissExplanation*M\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03*\xe0\x01\n\x0e\x42lockEventKind\x12 \n\x1c\x42LOCK_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42LOCK_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x42LOCK_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18\x42LOCK_EVENT_KIND_CLEARED\x10\x03\x12\x18\n\x14\x42LOCK_EVENT_KIND_GAP\x10\x04\x12\x1c\n\x18\x42LOCK_EVENT_KIND_DEMOTED\x10\x05\x12\x1b\n\x17\x42LOCK_EVENT_KIND_LOADED\x10\x06*\xa5\x02\n\nMissReason\x12\x1b\n\x17MISS_REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19MISS_REASON_PARTIAL_BLOCK\x10\x01\x12\x1a\n\x16MISS_REASON_NEVER_SEEN\x10\x02\x12\x17\n\x13MISS_REASON_EVICTED\x10\x03\x12\x17\n\x13MISS_REASON_FLUSHED\x10\x04\x12\x1a\n\x16MISS_REASON_NOT_STORED\x10\x05\x12\x1a\n\x16MISS_REASON_OTHER_SALT\x10\x06\x12\x1f\n\x1bMISS_REASON_OTHER_NAMESPACE\x10\x07\x12\x1a\n\x16MISS_REASON_NOT_LOADED\x10\x08\x12\x18\n\x14MISS_REASON_BYPASSED\x10\t2\xb3\x02\n\x15\x42lockDirectoryService\x12Q\n\x0cRegisterPool\x12\x1f.kvcache.v1.RegisterPoolRequest\x1a .kvcache.v1.RegisterPoolResponse\x12K\n\nRenewLease\x12\x1d.kvcache.v1.RenewLeaseRequest\x1a\x1e.kvcache.v1.RenewLeaseResponse\x12\x39\n\x04Step\x12\x17.kvcache.v1.StepRequest\x1a\x18.kvcache.v1.StepResponse\x12?\n\x06Resync\x12\x19.kvcache.v1.ResyncRequest\x1a\x1a.kvcache.v1.ResyncResponse2\x8c\x05\n\x15\x44irectoryAdminService\x12\x45\n\x08GetStats\x12\x1b.kvcache.v1.GetStatsRequest\x1a\x1c.kvcache.v1.GetStatsResponse\x12H\n\tListPools\x12\x1c.kvcache.v1.ListPoolsRequest\x1a\x1d.kvcache.v1.ListPoolsResponse\x12K\n\nListBlocks\x12\x1d.kvcache.v1.ListBlocksRequest\x1a\x1e.kvcache.v1.ListBlocksResponse\x12?\n\x06Lookup\x12\x19.kvcache.v1.LookupRequest\x1a\x1a.kvcache.v1.LookupResponse\x12<\n\x05\x46lush\x12\x18.kvcache.v1.FlushRequest\x1a\x19.kvcache.v1.FlushResponse\x12\x36\n\x03Pin\x12\x16.kvcache.v1.PinRequest\x1a\x17.kvcache.v1.PinResponse\x12<\n\x05Unpin\x12\x18.kvcache.v1.UnpinRequest\x1a\x19.kvcache.v1.UnpinResponse\x12N\n\x0b\x45xplainMiss\x12\x1e.kvcache.v1.ExplainMissRequest\x1a\x1f.kvcache.v1.ExplainMissResponse\x12P\n\x0bWatchEvents\x12\x1e.kvcache.v1.WatchEventsRequest\x1a\x1f.kvcache.v1.WatchEventsResponse0\x01\x32N\n\x0eRoutingService\x12<\n\x05Route\x12\x18.kvcache.v1.RouteRequest\x1a\x19.kvcache.v1.RouteResponseb\x06proto3'
-)
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvcache/v1/directory.proto\x12\nkvcache.v1\x1a\x1dkvcache/v1/cache_policy.proto\"X\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nadapter_id\x18\x04 \x01(\t\"\xc5\x02\n\x13RegisterPoolRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12(\n\tnamespace\x18\x03 \x01(\x0b\x32\x15.kvcache.v1.Namespace\x12\x16\n\x0eworker_address\x18\x04 \x01(\t\x12\x0f\n\x07pool_id\x18\x05 \x01(\t\x12\x12\n\npool_token\x18\x06 \x01(\t\x12\x17\n\x0fnum_host_blocks\x18\x07 \x01(\r\x12#\n\x1bhost_load_seconds_per_block\x18\x08 \x01(\x01\x12!\n\x19prefill_seconds_per_token\x18\t \x01(\x01\x12\x17\n\x0fhas_shared_tier\x18\n \x01(\x08\x12%\n\x1dshared_load_seconds_per_block\x18\x0b \x01(\x01\"\x9c\x01\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x19\n\x11lease_ttl_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13max_sequence_tokens\x18\x04 \x01(\r\x12\x12\n\npool_token\x18\x05 \x01(\t\x12\x18\n\x10shared_namespace\x18\x06 \x01(\t\"3\n\x11RenewLeaseRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"/\n\x12RenewLeaseResponse\x12\x19\n\x11lease_ttl_seconds\x18\x01 \x01(\x01\"\xc3\x01\n\x07\x41\x64mitOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x04 \x01(\r\x12-\n\x0c\x63\x61\x63he_policy\x18( \x01(\x0e\x32\x17.kvcache.v1.CachePolicy\x12\x1a\n\x12retention_priority\x18) \x01(\r\"\xb7\x01\n\x0b\x41\x64mitResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12$\n\x05loads\x18\x05 \x03(\x0b\x32\x15.kvcache.v1.BlockCopy\x12-\n\x0cshared_loads\x18\x06 \x03(\x0b\x32\x17.kvcache.v1.SharedBlock\"\x85\x01\n\x0bSharedBlock\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x13\n\x0bsalt_digest\x18\x05 \x01(\x0c\x12\x13\n\x0b\x62lock_index\x18\x06 \x01(\r\"4\n\tBlockCopy\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x15\n\rhost_block_id\x18\x02 \x01(\r\"1\n\x06GrowOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"G\n\nGrowResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\r\n\x05grown\x18\x02 \x01(\x08\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\"Z\n\x08\x43ommitOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\" \n\tReleaseOp\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\"\x8c\x02\n\x0bStepRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12%\n\x07\x63ommits\x18\x03 \x03(\x0b\x32\x14.kvcache.v1.CommitOp\x12\'\n\x08releases\x18\x04 \x03(\x0b\x32\x15.kvcache.v1.ReleaseOp\x12!\n\x05grows\x18\x05 \x03(\x0b\x32\x12.kvcache.v1.GrowOp\x12#\n\x06\x61\x64mits\x18\x06 \x03(\x0b\x32\x13.kvcache.v1.AdmitOp\x12\x16\n\x0eshared_written\x18\x07 \x03(\x0c\x12\x15\n\rshared_failed\x18\x08 \x03(\x0c\x12\x16\n\x0eshared_missing\x18\t \x03(\x0c\"\xef\x01\n\x0cStepResponse\x12%\n\x05grows\x18\x01 \x03(\x0b\x32\x16.kvcache.v1.GrowResult\x12\'\n\x06\x61\x64mits\x18\x02 \x03(\x0b\x32\x17.kvcache.v1.AdmitResult\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x04 \x01(\r\x12(\n\tdemotions\x18\x05 \x03(\x0b\x32\x15.kvcache.v1.BlockCopy\x12.\n\rshared_stores\x18\x06 \x03(\x0b\x32\x17.kvcache.v1.SharedBlock\"}\n\x0eResyncSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x05 \x01(\r\"^\n\rResyncRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12-\n\tsequences\x18\x03 \x03(\x0b\x32\x1a.kvcache.v1.ResyncSequence\"E\n\x0eResyncResponse\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x1c\n\x14num_committed_blocks\x18\x02 \x01(\r\"\x9d\x04\n\tPoolStats\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x05 \x01(\r\x12\x1d\n\x15num_referenced_blocks\x18\x06 \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x07 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\x12\x15\n\rnum_sequences\x18\t \x01(\r\x12\x16\n\x0equeried_tokens\x18\n \x01(\x04\x12\x12\n\nhit_tokens\x18\x0b \x01(\x04\x12\x15\n\rnum_evictions\x18\x0c \x01(\x04\x12\x16\n\x0enum_admissions\x18\r \x01(\x04\x12\x1f\n\x17num_admissions_deferred\x18\x0e \x01(\x04\x12+\n\x0bmiss_tokens\x18( \x03(\x0b\x32\x16.kvcache.v1.MissTokens\x12\x12\n\nnum_ghosts\x18) \x01(\r\x12\x12\n\nmax_ghosts\x18* \x01(\r\x12\x17\n\x0f\x65viction_policy\x18+ \x01(\t\x12#\n\x04host\x18\x0f \x01(\x0b\x32\x15.kvcache.v1.TierStats\x12%\n\x06shared\x18, \x01(\x0b\x32\x15.kvcache.v1.TierStats\"\xca\x02\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x1c\n\x14num_evictable_blocks\x18\x04 \x01(\r\x12\x1d\n\x15num_referenced_blocks\x18\x05 \x01(\r\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x15\n\rnum_demotions\x18\x07 \x01(\x04\x12\x11\n\tnum_loads\x18\x08 \x01(\x04\x12\x15\n\rnum_evictions\x18\t \x01(\x04\x12\x19\n\x11num_loads_skipped\x18\n \x01(\x04\x12\x1e\n\x16load_seconds_per_block\x18\x0b \x01(\x01\x12#\n\x1brecompute_seconds_per_block\x18\x0c \x01(\x01\"\"\n\x0fGetStatsRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\"{\n\x10GetStatsResponse\x12$\n\x05total\x18\x01 \x01(\x0b\x32\x15.kvcache.v1.PoolStats\x12$\n\x05pools\x18\x02 \x03(\x0b\x32\x15.kvcache.v1.PoolStats\x12\x1b\n\x13last_event_sequence\x18\x03 \x01(\x04\"\xec\x01\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12(\n\tnamespace\x18\x03 \x01(\x0b\x32\x15.kvcache.v1.Namespace\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x16\n\x0eworker_address\x18\x06 \x01(\t\x12\x1f\n\x17lease_remaining_seconds\x18\x07 \x01(\x01\x12\x0f\n\x07is_live\x18\x08 \x01(\x08\x12$\n\x05stats\x18\t \x01(\x0b\x32\x15.kvcache.v1.PoolStats\"\x12\n\x10ListPoolsRequest\"8\n\x11ListPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.kvcache.v1.PoolInfo\"\xb8\x01\n\tBlockInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x12\n\nblock_hash\x18\x03 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x11\n\tref_count\x18\x06 \x01(\r\x12\x11\n\tis_pinned\x18\x07 \x01(\x08\x12\x13\n\x0b\x62lock_index\x18\x08 \x01(\r\x12\x11\n\tis_salted\x18\t \x01(\x08\"K\n\x11ListBlocksRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"T\n\x12ListBlocksResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.kvcache.v1.BlockInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"e\n\rLookupRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\x12\x0f\n\x07pool_id\x18\x04 \x01(\t\"\xb6\x01\n\tPoolMatch\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x01(\x01\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x1e\n\x16num_host_cached_tokens\x18\x06 \x01(\r\x12 \n\x18num_shared_cached_tokens\x18\x07 \x01(\r\"8\n\x0eLookupResponse\x12&\n\x07matches\x18\x01 \x03(\x0b\x32\x15.kvcache.v1.PoolMatch\"S\n\x0c\x46lushRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvcache.v1.Tier\"J\n\tTierFlush\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\x12\x0c\n\x04\x62usy\x18\x03 \x01(\r\"T\n\rFlushResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\x12\x0c\n\x04\x62usy\x18\x02 \x01(\r\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvcache.v1.TierFlush\"w\n\nPinRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07pool_id\x18\x05 \x01(\t\"o\n\x0bPinResponse\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x19\n\x11num_pinned_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x03 \x01(\r\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x01\"+\n\x0cUnpinRequest\x12\x0e\n\x06pin_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61ll\x18( \x01(\x08\"G\n\rUnpinResponse\x12\x1b\n\x13num_unpinned_blocks\x18\x01 \x01(\r\x12\x19\n\x11num_unpinned_pins\x18( \x01(\r\"=\n\x12WatchEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\"\xd3\x01\n\x13WatchEventsResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.kvcache.v1.BlockEventKind\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x05 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x1e\n\x04tier\x18\x08 \x01(\x0e\x32\x10.kvcache.v1.Tier\"S\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\"~\n\rRouteResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12)\n\ncandidates\x18\x04 \x03(\x0b\x32\x15.kvcache.v1.PoolMatch\"H\n\nMissTokens\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.kvcache.v1.MissReason\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"j\n\x12\x45xplainMissRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x1c\n\x14public_prefix_tokens\x18\x03 \x01(\r\x12\x0f\n\x07pool_id\x18\x04 \x01(\t\"\x92\x02\n\x0fMissExplanation\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12&\n\x06reason\x18\x04 \x01(\x0e\x32\x16.kvcache.v1.MissReason\x12\x19\n\x11num_missed_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_partial_tokens\x18\x06 \x01(\r\x12\x1b\n\x13\x66irst_missing_block\x18\x07 \x01(\r\x12\x12\n\nevicted_by\x18\x08 \x01(\t\x12\x13\n\x0bseconds_ago\x18\t \x01(\x01\x12\x16\n\x0eother_pool_ids\x18\n \x03(\t\"U\n\x13\x45xplainMissResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12*\n\x05pools\x18\x02 \x03(\x0b\x32\x1b.kvcache.v1.MissExplanation*M\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\x0f\n\x0bTIER_SHARED\x10\x03*\xe0\x01\n\x0e\x42lockEventKind\x12 \n\x1c\x42LOCK_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42LOCK_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x42LOCK_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18\x42LOCK_EVENT_KIND_CLEARED\x10\x03\x12\x18\n\x14\x42LOCK_EVENT_KIND_GAP\x10\x04\x12\x1c\n\x18\x42LOCK_EVENT_KIND_DEMOTED\x10\x05\x12\x1b\n\x17\x42LOCK_EVENT_KIND_LOADED\x10\x06*\xa5\x02\n\nMissReason\x12\x1b\n\x17MISS_REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19MISS_REASON_PARTIAL_BLOCK\x10\x01\x12\x1a\n\x16MISS_REASON_NEVER_SEEN\x10\x02\x12\x17\n\x13MISS_REASON_EVICTED\x10\x03\x12\x17\n\x13MISS_REASON_FLUSHED\x10\x04\x12\x1a\n\x16MISS_REASON_NOT_STORED\x10\x05\x12\x1a\n\x16MISS_REASON_OTHER_SALT\x10\x06\x12\x1f\n\x1bMISS_REASON_OTHER_NAMESPACE\x10\x07\x12\x1a\n\x16MISS_REASON_NOT_LOADED\x10\x08\x12\x18\n\x14MISS_REASON_BYPASSED\x10\t2\xb3\x02\n\x15\x42lockDirectoryService\x12Q\n\x0cRegisterPool\x12\x1f.kvcache.v1.RegisterPoolRequest\x1a .kvcache.v1.RegisterPoolResponse\x12K\n\nRenewLease\x12\x1d.kvcache.v1.RenewLeaseRequest\x1a\x1e.kvcache.v1.RenewLeaseResponse\x12\x39\n\x04Step\x12\x17.kvcache.v1.StepRequest\x1a\x18.kvcache.v1.StepResponse\x12?\n\x06Resync\x12\x19.kvcache.v1.ResyncRequest\x1a\x1a.kvcache.v1.ResyncResponse2\x8c\x05\n\x15\x44irectoryAdminService\x12\x45\n\x08GetStats\x12\x1b.kvcache.v1.GetStatsRequest\x1a\x1c.kvcache.v1.GetStatsResponse\x12H\n\tListPools\x12\x1c.kvcache.v1.ListPoolsRequest\x1a\x1d.kvcache.v1.ListPoolsResponse\x12K\n\nListBlocks\x12\x1d.kvcache.v1.ListBlocksRequest\x1a\x1e.kvcache.v1.ListBlocksResponse\x12?\n\x06Lookup\x12\x19.kvcache.v1.LookupRequest\x1a\x1a.kvcache.v1.LookupResponse\x12<\n\x05\x46lush\x12\x18.kvcache.v1.FlushRequest\x1a\x19.kvcache.v1.FlushResponse\x12\x36\n\x03Pin\x12\x16.kvcache.v1.PinRequest\x1a\x17.kvcache.v1.PinResponse\x12<\n\x05Unpin\x12\x18.kvcache.v1.UnpinRequest\x1a\x19.kvcache.v1.UnpinResponse\x12N\n\x0b\x45xplainMiss\x12\x1e.kvcache.v1.ExplainMissRequest\x1a\x1f.kvcache.v1.ExplainMissResponse\x12P\n\x0bWatchEvents\x12\x1e.kvcache.v1.WatchEventsRequest\x1a\x1f.kvcache.v1.WatchEventsResponse0\x01\x32N\n\x0eRoutingService\x12<\n\x05Route\x12\x18.kvcache.v1.RouteRequest\x1a\x19.kvcache.v1.RouteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "kvcache.v1.directory_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache.v1.directory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_TIER"]._serialized_start = 6069
-    _globals["_TIER"]._serialized_end = 6146
-    _globals["_BLOCKEVENTKIND"]._serialized_start = 6149
-    _globals["_BLOCKEVENTKIND"]._serialized_end = 6373
-    _globals["_MISSREASON"]._serialized_start = 6376
-    _globals["_MISSREASON"]._serialized_end = 6669
-    _globals["_NAMESPACE"]._serialized_start = 73
-    _globals["_NAMESPACE"]._serialized_end = 161
-    _globals["_REGISTERPOOLREQUEST"]._serialized_start = 164
-    _globals["_REGISTERPOOLREQUEST"]._serialized_end = 489
-    _globals["_REGISTERPOOLRESPONSE"]._serialized_start = 492
-    _globals["_REGISTERPOOLRESPONSE"]._serialized_end = 648
-    _globals["_RENEWLEASEREQUEST"]._serialized_start = 650
-    _globals["_RENEWLEASEREQUEST"]._serialized_end = 701
-    _globals["_RENEWLEASERESPONSE"]._serialized_start = 703
-    _globals["_RENEWLEASERESPONSE"]._serialized_end = 750
-    _globals["_ADMITOP"]._serialized_start = 753
-    _globals["_ADMITOP"]._serialized_end = 948
-    _globals["_ADMITRESULT"]._serialized_start = 951
-    _globals["_ADMITRESULT"]._serialized_end = 1134
-    _globals["_SHAREDBLOCK"]._serialized_start = 1137
-    _globals["_SHAREDBLOCK"]._serialized_end = 1270
-    _globals["_BLOCKCOPY"]._serialized_start = 1272
-    _globals["_BLOCKCOPY"]._serialized_end = 1324
-    _globals["_GROWOP"]._serialized_start = 1326
-    _globals["_GROWOP"]._serialized_end = 1375
-    _globals["_GROWRESULT"]._serialized_start = 1377
-    _globals["_GROWRESULT"]._serialized_end = 1448
-    _globals["_COMMITOP"]._serialized_start = 1450
-    _globals["_COMMITOP"]._serialized_end = 1540
-    _globals["_RELEASEOP"]._serialized_start = 1542
-    _globals["_RELEASEOP"]._serialized_end = 1574
-    _globals["_STEPREQUEST"]._serialized_start = 1577
-    _globals["_STEPREQUEST"]._serialized_end = 1845
-    _globals["_STEPRESPONSE"]._serialized_start = 1848
-    _globals["_STEPRESPONSE"]._serialized_end = 2087
-    _globals["_RESYNCSEQUENCE"]._serialized_start = 2089
-    _globals["_RESYNCSEQUENCE"]._serialized_end = 2214
-    _globals["_RESYNCREQUEST"]._serialized_start = 2216
-    _globals["_RESYNCREQUEST"]._serialized_end = 2310
-    _globals["_RESYNCRESPONSE"]._serialized_start = 2312
-    _globals["_RESYNCRESPONSE"]._serialized_end = 2381
-    _globals["_POOLSTATS"]._serialized_start = 2384
-    _globals["_POOLSTATS"]._serialized_end = 2925
-    _globals["_TIERSTATS"]._serialized_start = 2928
-    _globals["_TIERSTATS"]._serialized_end = 3258
-    _globals["_GETSTATSREQUEST"]._serialized_start = 3260
-    _globals["_GETSTATSREQUEST"]._serialized_end = 3294
-    _globals["_GETSTATSRESPONSE"]._serialized_start = 3296
-    _globals["_GETSTATSRESPONSE"]._serialized_end = 3419
-    _globals["_POOLINFO"]._serialized_start = 3422
-    _globals["_POOLINFO"]._serialized_end = 3658
-    _globals["_LISTPOOLSREQUEST"]._serialized_start = 3660
-    _globals["_LISTPOOLSREQUEST"]._serialized_end = 3678
-    _globals["_LISTPOOLSRESPONSE"]._serialized_start = 3680
-    _globals["_LISTPOOLSRESPONSE"]._serialized_end = 3736
-    _globals["_BLOCKINFO"]._serialized_start = 3739
-    _globals["_BLOCKINFO"]._serialized_end = 3923
-    _globals["_LISTBLOCKSREQUEST"]._serialized_start = 3925
-    _globals["_LISTBLOCKSREQUEST"]._serialized_end = 4000
-    _globals["_LISTBLOCKSRESPONSE"]._serialized_start = 4002
-    _globals["_LISTBLOCKSRESPONSE"]._serialized_end = 4086
-    _globals["_LOOKUPREQUEST"]._serialized_start = 4088
-    _globals["_LOOKUPREQUEST"]._serialized_end = 4189
-    _globals["_POOLMATCH"]._serialized_start = 4192
-    _globals["_POOLMATCH"]._serialized_end = 4374
-    _globals["_LOOKUPRESPONSE"]._serialized_start = 4376
-    _globals["_LOOKUPRESPONSE"]._serialized_end = 4432
-    _globals["_FLUSHREQUEST"]._serialized_start = 4434
-    _globals["_FLUSHREQUEST"]._serialized_end = 4517
-    _globals["_TIERFLUSH"]._serialized_start = 4519
-    _globals["_TIERFLUSH"]._serialized_end = 4593
-    _globals["_FLUSHRESPONSE"]._serialized_start = 4595
-    _globals["_FLUSHRESPONSE"]._serialized_end = 4679
-    _globals["_PINREQUEST"]._serialized_start = 4681
-    _globals["_PINREQUEST"]._serialized_end = 4800
-    _globals["_PINRESPONSE"]._serialized_start = 4802
-    _globals["_PINRESPONSE"]._serialized_end = 4913
-    _globals["_UNPINREQUEST"]._serialized_start = 4915
-    _globals["_UNPINREQUEST"]._serialized_end = 4958
-    _globals["_UNPINRESPONSE"]._serialized_start = 4960
-    _globals["_UNPINRESPONSE"]._serialized_end = 5031
-    _globals["_WATCHEVENTSREQUEST"]._serialized_start = 5033
-    _globals["_WATCHEVENTSREQUEST"]._serialized_end = 5094
-    _globals["_WATCHEVENTSRESPONSE"]._serialized_start = 5097
-    _globals["_WATCHEVENTSRESPONSE"]._serialized_end = 5308
-    _globals["_ROUTEREQUEST"]._serialized_start = 5310
-    _globals["_ROUTEREQUEST"]._serialized_end = 5393
-    _globals["_ROUTERESPONSE"]._serialized_start = 5395
-    _globals["_ROUTERESPONSE"]._serialized_end = 5521
-    _globals["_MISSTOKENS"]._serialized_start = 5523
-    _globals["_MISSTOKENS"]._serialized_end = 5595
-    _globals["_EXPLAINMISSREQUEST"]._serialized_start = 5597
-    _globals["_EXPLAINMISSREQUEST"]._serialized_end = 5703
-    _globals["_MISSEXPLANATION"]._serialized_start = 5706
-    _globals["_MISSEXPLANATION"]._serialized_end = 5980
-    _globals["_EXPLAINMISSRESPONSE"]._serialized_start = 5982
-    _globals["_EXPLAINMISSRESPONSE"]._serialized_end = 6067
-    _globals["_BLOCKDIRECTORYSERVICE"]._serialized_start = 6672
-    _globals["_BLOCKDIRECTORYSERVICE"]._serialized_end = 6979
-    _globals["_DIRECTORYADMINSERVICE"]._serialized_start = 6982
-    _globals["_DIRECTORYADMINSERVICE"]._serialized_end = 7634
-    _globals["_ROUTINGSERVICE"]._serialized_start = 7636
-    _globals["_ROUTINGSERVICE"]._serialized_end = 7714
+  DESCRIPTOR._loaded_options = None
+  _globals['_TIER']._serialized_start=6069
+  _globals['_TIER']._serialized_end=6146
+  _globals['_BLOCKEVENTKIND']._serialized_start=6149
+  _globals['_BLOCKEVENTKIND']._serialized_end=6373
+  _globals['_MISSREASON']._serialized_start=6376
+  _globals['_MISSREASON']._serialized_end=6669
+  _globals['_NAMESPACE']._serialized_start=73
+  _globals['_NAMESPACE']._serialized_end=161
+  _globals['_REGISTERPOOLREQUEST']._serialized_start=164
+  _globals['_REGISTERPOOLREQUEST']._serialized_end=489
+  _globals['_REGISTERPOOLRESPONSE']._serialized_start=492
+  _globals['_REGISTERPOOLRESPONSE']._serialized_end=648
+  _globals['_RENEWLEASEREQUEST']._serialized_start=650
+  _globals['_RENEWLEASEREQUEST']._serialized_end=701
+  _globals['_RENEWLEASERESPONSE']._serialized_start=703
+  _globals['_RENEWLEASERESPONSE']._serialized_end=750
+  _globals['_ADMITOP']._serialized_start=753
+  _globals['_ADMITOP']._serialized_end=948
+  _globals['_ADMITRESULT']._serialized_start=951
+  _globals['_ADMITRESULT']._serialized_end=1134
+  _globals['_SHAREDBLOCK']._serialized_start=1137
+  _globals['_SHAREDBLOCK']._serialized_end=1270
+  _globals['_BLOCKCOPY']._serialized_start=1272
+  _globals['_BLOCKCOPY']._serialized_end=1324
+  _globals['_GROWOP']._serialized_start=1326
+  _globals['_GROWOP']._serialized_end=1375
+  _globals['_GROWRESULT']._serialized_start=1377
+  _globals['_GROWRESULT']._serialized_end=1448
+  _globals['_COMMITOP']._serialized_start=1450
+  _globals['_COMMITOP']._serialized_end=1540
+  _globals['_RELEASEOP']._serialized_start=1542
+  _globals['_RELEASEOP']._serialized_end=1574
+  _globals['_STEPREQUEST']._serialized_start=1577
+  _globals['_STEPREQUEST']._serialized_end=1845
+  _globals['_STEPRESPONSE']._serialized_start=1848
+  _globals['_STEPRESPONSE']._serialized_end=2087
+  _globals['_RESYNCSEQUENCE']._serialized_start=2089
+  _globals['_RESYNCSEQUENCE']._serialized_end=2214
+  _globals['_RESYNCREQUEST']._serialized_start=2216
+  _globals['_RESYNCREQUEST']._serialized_end=2310
+  _globals['_RESYNCRESPONSE']._serialized_start=2312
+  _globals['_RESYNCRESPONSE']._serialized_end=2381
+  _globals['_POOLSTATS']._serialized_start=2384
+  _globals['_POOLSTATS']._serialized_end=2925
+  _globals['_TIERSTATS']._serialized_start=2928
+  _globals['_TIERSTATS']._serialized_end=3258
+  _globals['_GETSTATSREQUEST']._serialized_start=3260
+  _globals['_GETSTATSREQUEST']._serialized_end=3294
+  _globals['_GETSTATSRESPONSE']._serialized_start=3296
+  _globals['_GETSTATSRESPONSE']._serialized_end=3419
+  _globals['_POOLINFO']._serialized_start=3422
+  _globals['_POOLINFO']._serialized_end=3658
+  _globals['_LISTPOOLSREQUEST']._serialized_start=3660
+  _globals['_LISTPOOLSREQUEST']._serialized_end=3678
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=3680
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=3736
+  _globals['_BLOCKINFO']._serialized_start=3739
+  _globals['_BLOCKINFO']._serialized_end=3923
+  _globals['_LISTBLOCKSREQUEST']._serialized_start=3925
+  _globals['_LISTBLOCKSREQUEST']._serialized_end=4000
+  _globals['_LISTBLOCKSRESPONSE']._serialized_start=4002
+  _globals['_LISTBLOCKSRESPONSE']._serialized_end=4086
+  _globals['_LOOKUPREQUEST']._serialized_start=4088
+  _globals['_LOOKUPREQUEST']._serialized_end=4189
+  _globals['_POOLMATCH']._serialized_start=4192
+  _globals['_POOLMATCH']._serialized_end=4374
+  _globals['_LOOKUPRESPONSE']._serialized_start=4376
+  _globals['_LOOKUPRESPONSE']._serialized_end=4432
+  _globals['_FLUSHREQUEST']._serialized_start=4434
+  _globals['_FLUSHREQUEST']._serialized_end=4517
+  _globals['_TIERFLUSH']._serialized_start=4519
+  _globals['_TIERFLUSH']._serialized_end=4593
+  _globals['_FLUSHRESPONSE']._serialized_start=4595
+  _globals['_FLUSHRESPONSE']._serialized_end=4679
+  _globals['_PINREQUEST']._serialized_start=4681
+  _globals['_PINREQUEST']._serialized_end=4800
+  _globals['_PINRESPONSE']._serialized_start=4802
+  _globals['_PINRESPONSE']._serialized_end=4913
+  _globals['_UNPINREQUEST']._serialized_start=4915
+  _globals['_UNPINREQUEST']._serialized_end=4958
+  _globals['_UNPINRESPONSE']._serialized_start=4960
+  _globals['_UNPINRESPONSE']._serialized_end=5031
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=5033
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=5094
+  _globals['_WATCHEVENTSRESPONSE']._serialized_start=5097
+  _globals['_WATCHEVENTSRESPONSE']._serialized_end=5308
+  _globals['_ROUTEREQUEST']._serialized_start=5310
+  _globals['_ROUTEREQUEST']._serialized_end=5393
+  _globals['_ROUTERESPONSE']._serialized_start=5395
+  _globals['_ROUTERESPONSE']._serialized_end=5521
+  _globals['_MISSTOKENS']._serialized_start=5523
+  _globals['_MISSTOKENS']._serialized_end=5595
+  _globals['_EXPLAINMISSREQUEST']._serialized_start=5597
+  _globals['_EXPLAINMISSREQUEST']._serialized_end=5703
+  _globals['_MISSEXPLANATION']._serialized_start=5706
+  _globals['_MISSEXPLANATION']._serialized_end=5980
+  _globals['_EXPLAINMISSRESPONSE']._serialized_start=5982
+  _globals['_EXPLAINMISSRESPONSE']._serialized_end=6067
+  _globals['_BLOCKDIRECTORYSERVICE']._serialized_start=6672
+  _globals['_BLOCKDIRECTORYSERVICE']._serialized_end=6979
+  _globals['_DIRECTORYADMINSERVICE']._serialized_start=6982
+  _globals['_DIRECTORYADMINSERVICE']._serialized_end=7634
+  _globals['_ROUTINGSERVICE']._serialized_start=7636
+  _globals['_ROUTINGSERVICE']._serialized_end=7714
 # @@protoc_insertion_point(module_scope)

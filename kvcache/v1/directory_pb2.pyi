@@ -37,7 +37,6 @@ class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
     MISS_REASON_NOT_LOADED: _ClassVar[MissReason]
     MISS_REASON_BYPASSED: _ClassVar[MissReason]
-
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -70,28 +69,10 @@ class Namespace(_message.Message):
     model_revision: str
     dtype: str
     adapter_id: str
-    def __init__(
-        self,
-        model_id: _Optional[str] = ...,
-        model_revision: _Optional[str] = ...,
-        dtype: _Optional[str] = ...,
-        adapter_id: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = (
-        "num_blocks",
-        "block_size",
-        "namespace",
-        "worker_address",
-        "pool_id",
-        "pool_token",
-        "num_host_blocks",
-        "host_load_seconds_per_block",
-        "prefill_seconds_per_token",
-        "has_shared_tier",
-        "shared_load_seconds_per_block",
-    )
+    __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token", "num_host_blocks", "host_load_seconds_per_block", "prefill_seconds_per_token", "has_shared_tier", "shared_load_seconds_per_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -114,30 +95,10 @@ class RegisterPoolRequest(_message.Message):
     prefill_seconds_per_token: float
     has_shared_tier: bool
     shared_load_seconds_per_block: float
-    def __init__(
-        self,
-        num_blocks: _Optional[int] = ...,
-        block_size: _Optional[int] = ...,
-        namespace: _Optional[_Union[Namespace, _Mapping]] = ...,
-        worker_address: _Optional[str] = ...,
-        pool_id: _Optional[str] = ...,
-        pool_token: _Optional[str] = ...,
-        num_host_blocks: _Optional[int] = ...,
-        host_load_seconds_per_block: _Optional[float] = ...,
-        prefill_seconds_per_token: _Optional[float] = ...,
-        has_shared_tier: _Optional[bool] = ...,
-        shared_load_seconds_per_block: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., worker_address: _Optional[str] = ..., pool_id: _Optional[str] = ..., pool_token: _Optional[str] = ..., num_host_blocks: _Optional[int] = ..., host_load_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., has_shared_tier: _Optional[bool] = ..., shared_load_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "epoch",
-        "lease_ttl_seconds",
-        "max_sequence_tokens",
-        "pool_token",
-        "shared_namespace",
-    )
+    __slots__ = ("pool_id", "epoch", "lease_ttl_seconds", "max_sequence_tokens", "pool_token", "shared_namespace")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,15 +111,7 @@ class RegisterPoolResponse(_message.Message):
     max_sequence_tokens: int
     pool_token: str
     shared_namespace: str
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        epoch: _Optional[int] = ...,
-        lease_ttl_seconds: _Optional[float] = ...,
-        max_sequence_tokens: _Optional[int] = ...,
-        pool_token: _Optional[str] = ...,
-        shared_namespace: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., max_sequence_tokens: _Optional[int] = ..., pool_token: _Optional[str] = ..., shared_namespace: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("pool_id", "epoch")
@@ -175,15 +128,7 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class AdmitOp(_message.Message):
-    __slots__ = (
-        "sequence_id",
-        "token_ids",
-        "token_bytes",
-        "cache_salt",
-        "public_prefix_tokens",
-        "cache_policy",
-        "retention_priority",
-    )
+    __slots__ = ("sequence_id", "token_ids", "token_bytes", "cache_salt", "public_prefix_tokens", "cache_policy", "retention_priority")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -198,16 +143,7 @@ class AdmitOp(_message.Message):
     public_prefix_tokens: int
     cache_policy: _cache_policy_pb2.CachePolicy
     retention_priority: int
-    def __init__(
-        self,
-        sequence_id: _Optional[int] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        token_bytes: _Optional[bytes] = ...,
-        cache_salt: _Optional[str] = ...,
-        public_prefix_tokens: _Optional[int] = ...,
-        cache_policy: _Optional[_Union[_cache_policy_pb2.CachePolicy, str]] = ...,
-        retention_priority: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_policy_pb2.CachePolicy, str]] = ..., retention_priority: _Optional[int] = ...) -> None: ...
 
 class AdmitResult(_message.Message):
     __slots__ = ("sequence_id", "admitted", "block_ids", "num_cached_tokens", "loads", "shared_loads")
@@ -223,15 +159,7 @@ class AdmitResult(_message.Message):
     num_cached_tokens: int
     loads: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     shared_loads: _containers.RepeatedCompositeFieldContainer[SharedBlock]
-    def __init__(
-        self,
-        sequence_id: _Optional[int] = ...,
-        admitted: _Optional[bool] = ...,
-        block_ids: _Optional[_Iterable[int]] = ...,
-        num_cached_tokens: _Optional[int] = ...,
-        loads: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...,
-        shared_loads: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., shared_loads: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
 
 class SharedBlock(_message.Message):
     __slots__ = ("block_id", "block_hash", "parent_hash", "token_ids", "salt_digest", "block_index")
@@ -247,15 +175,7 @@ class SharedBlock(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     salt_digest: bytes
     block_index: int
-    def __init__(
-        self,
-        block_id: _Optional[int] = ...,
-        block_hash: _Optional[bytes] = ...,
-        parent_hash: _Optional[bytes] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        salt_digest: _Optional[bytes] = ...,
-        block_index: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., salt_digest: _Optional[bytes] = ..., block_index: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("block_id", "host_block_id")
@@ -281,12 +201,7 @@ class GrowResult(_message.Message):
     sequence_id: int
     grown: bool
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        sequence_id: _Optional[int] = ...,
-        grown: _Optional[bool] = ...,
-        new_block_ids: _Optional[_Iterable[int]] = ...,
-    ) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., grown: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitOp(_message.Message):
     __slots__ = ("sequence_id", "block_ids", "token_ids", "token_bytes")
@@ -298,13 +213,7 @@ class CommitOp(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_bytes: bytes
-    def __init__(
-        self,
-        sequence_id: _Optional[int] = ...,
-        block_ids: _Optional[_Iterable[int]] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        token_bytes: _Optional[bytes] = ...,
-    ) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseOp(_message.Message):
     __slots__ = ("sequence_id",)
@@ -313,17 +222,7 @@ class ReleaseOp(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "epoch",
-        "commits",
-        "releases",
-        "grows",
-        "admits",
-        "shared_written",
-        "shared_failed",
-        "shared_missing",
-    )
+    __slots__ = ("pool_id", "epoch", "commits", "releases", "grows", "admits", "shared_written", "shared_failed", "shared_missing")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
@@ -342,18 +241,7 @@ class StepRequest(_message.Message):
     shared_written: _containers.RepeatedScalarFieldContainer[bytes]
     shared_failed: _containers.RepeatedScalarFieldContainer[bytes]
     shared_missing: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        epoch: _Optional[int] = ...,
-        commits: _Optional[_Iterable[_Union[CommitOp, _Mapping]]] = ...,
-        releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ...,
-        grows: _Optional[_Iterable[_Union[GrowOp, _Mapping]]] = ...,
-        admits: _Optional[_Iterable[_Union[AdmitOp, _Mapping]]] = ...,
-        shared_written: _Optional[_Iterable[bytes]] = ...,
-        shared_failed: _Optional[_Iterable[bytes]] = ...,
-        shared_missing: _Optional[_Iterable[bytes]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[CommitOp, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseOp, _Mapping]]] = ..., grows: _Optional[_Iterable[_Union[GrowOp, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitOp, _Mapping]]] = ..., shared_written: _Optional[_Iterable[bytes]] = ..., shared_failed: _Optional[_Iterable[bytes]] = ..., shared_missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("grows", "admits", "num_free_blocks", "num_evictable_blocks", "demotions", "shared_stores")
@@ -369,15 +257,7 @@ class StepResponse(_message.Message):
     num_evictable_blocks: int
     demotions: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     shared_stores: _containers.RepeatedCompositeFieldContainer[SharedBlock]
-    def __init__(
-        self,
-        grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ...,
-        admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ...,
-        num_free_blocks: _Optional[int] = ...,
-        num_evictable_blocks: _Optional[int] = ...,
-        demotions: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...,
-        shared_stores: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, grows: _Optional[_Iterable[_Union[GrowResult, _Mapping]]] = ..., admits: _Optional[_Iterable[_Union[AdmitResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., demotions: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., shared_stores: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
 
 class ResyncSequence(_message.Message):
     __slots__ = ("sequence_id", "block_ids", "token_ids", "cache_salt", "public_prefix_tokens")
@@ -391,14 +271,7 @@ class ResyncSequence(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     public_prefix_tokens: int
-    def __init__(
-        self,
-        sequence_id: _Optional[int] = ...,
-        block_ids: _Optional[_Iterable[int]] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        cache_salt: _Optional[str] = ...,
-        public_prefix_tokens: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
     __slots__ = ("pool_id", "epoch", "sequences")
@@ -408,12 +281,7 @@ class ResyncRequest(_message.Message):
     pool_id: str
     epoch: int
     sequences: _containers.RepeatedCompositeFieldContainer[ResyncSequence]
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        epoch: _Optional[int] = ...,
-        sequences: _Optional[_Iterable[_Union[ResyncSequence, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ResyncSequence, _Mapping]]] = ...) -> None: ...
 
 class ResyncResponse(_message.Message):
     __slots__ = ("num_sequences", "num_committed_blocks")
@@ -421,33 +289,10 @@ class ResyncResponse(_message.Message):
     NUM_COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_committed_blocks: int
-    def __init__(
-        self, num_sequences: _Optional[int] = ..., num_committed_blocks: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, num_sequences: _Optional[int] = ..., num_committed_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "num_blocks",
-        "block_size",
-        "num_free_blocks",
-        "num_evictable_blocks",
-        "num_referenced_blocks",
-        "num_pinned_blocks",
-        "num_cached_blocks",
-        "num_sequences",
-        "queried_tokens",
-        "hit_tokens",
-        "num_evictions",
-        "num_admissions",
-        "num_admissions_deferred",
-        "miss_tokens",
-        "num_ghosts",
-        "max_ghosts",
-        "eviction_policy",
-        "host",
-        "shared",
-    )
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "num_pinned_blocks", "num_cached_blocks", "num_sequences", "queried_tokens", "hit_tokens", "num_evictions", "num_admissions", "num_admissions_deferred", "miss_tokens", "num_ghosts", "max_ghosts", "eviction_policy", "host", "shared")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -488,45 +333,10 @@ class PoolStats(_message.Message):
     eviction_policy: str
     host: TierStats
     shared: TierStats
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        num_blocks: _Optional[int] = ...,
-        block_size: _Optional[int] = ...,
-        num_free_blocks: _Optional[int] = ...,
-        num_evictable_blocks: _Optional[int] = ...,
-        num_referenced_blocks: _Optional[int] = ...,
-        num_pinned_blocks: _Optional[int] = ...,
-        num_cached_blocks: _Optional[int] = ...,
-        num_sequences: _Optional[int] = ...,
-        queried_tokens: _Optional[int] = ...,
-        hit_tokens: _Optional[int] = ...,
-        num_evictions: _Optional[int] = ...,
-        num_admissions: _Optional[int] = ...,
-        num_admissions_deferred: _Optional[int] = ...,
-        miss_tokens: _Optional[_Iterable[_Union[MissTokens, _Mapping]]] = ...,
-        num_ghosts: _Optional[int] = ...,
-        max_ghosts: _Optional[int] = ...,
-        eviction_policy: _Optional[str] = ...,
-        host: _Optional[_Union[TierStats, _Mapping]] = ...,
-        shared: _Optional[_Union[TierStats, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_admissions: _Optional[int] = ..., num_admissions_deferred: _Optional[int] = ..., miss_tokens: _Optional[_Iterable[_Union[MissTokens, _Mapping]]] = ..., num_ghosts: _Optional[int] = ..., max_ghosts: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ..., shared: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = (
-        "tier",
-        "num_blocks",
-        "num_free_blocks",
-        "num_evictable_blocks",
-        "num_referenced_blocks",
-        "hit_tokens",
-        "num_demotions",
-        "num_loads",
-        "num_evictions",
-        "num_loads_skipped",
-        "load_seconds_per_block",
-        "recompute_seconds_per_block",
-    )
+    __slots__ = ("tier", "num_blocks", "num_free_blocks", "num_evictable_blocks", "num_referenced_blocks", "hit_tokens", "num_demotions", "num_loads", "num_evictions", "num_loads_skipped", "load_seconds_per_block", "recompute_seconds_per_block")
     TIER_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -551,21 +361,7 @@ class TierStats(_message.Message):
     num_loads_skipped: int
     load_seconds_per_block: float
     recompute_seconds_per_block: float
-    def __init__(
-        self,
-        tier: _Optional[_Union[Tier, str]] = ...,
-        num_blocks: _Optional[int] = ...,
-        num_free_blocks: _Optional[int] = ...,
-        num_evictable_blocks: _Optional[int] = ...,
-        num_referenced_blocks: _Optional[int] = ...,
-        hit_tokens: _Optional[int] = ...,
-        num_demotions: _Optional[int] = ...,
-        num_loads: _Optional[int] = ...,
-        num_evictions: _Optional[int] = ...,
-        num_loads_skipped: _Optional[int] = ...,
-        load_seconds_per_block: _Optional[float] = ...,
-        recompute_seconds_per_block: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_referenced_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_loads_skipped: _Optional[int] = ..., load_seconds_per_block: _Optional[float] = ..., recompute_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -581,25 +377,10 @@ class GetStatsResponse(_message.Message):
     total: PoolStats
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     last_event_sequence: int
-    def __init__(
-        self,
-        total: _Optional[_Union[PoolStats, _Mapping]] = ...,
-        pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...,
-        last_event_sequence: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, total: _Optional[_Union[PoolStats, _Mapping]] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "epoch",
-        "namespace",
-        "block_size",
-        "num_blocks",
-        "worker_address",
-        "lease_remaining_seconds",
-        "is_live",
-        "stats",
-    )
+    __slots__ = ("pool_id", "epoch", "namespace", "block_size", "num_blocks", "worker_address", "lease_remaining_seconds", "is_live", "stats")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -618,18 +399,7 @@ class PoolInfo(_message.Message):
     lease_remaining_seconds: float
     is_live: bool
     stats: PoolStats
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        epoch: _Optional[int] = ...,
-        namespace: _Optional[_Union[Namespace, _Mapping]] = ...,
-        block_size: _Optional[int] = ...,
-        num_blocks: _Optional[int] = ...,
-        worker_address: _Optional[str] = ...,
-        lease_remaining_seconds: _Optional[float] = ...,
-        is_live: _Optional[bool] = ...,
-        stats: _Optional[_Union[PoolStats, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., worker_address: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., is_live: _Optional[bool] = ..., stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
 
 class ListPoolsRequest(_message.Message):
     __slots__ = ()
@@ -642,17 +412,7 @@ class ListPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "block_id",
-        "block_hash",
-        "parent_hash",
-        "token_ids",
-        "ref_count",
-        "is_pinned",
-        "block_index",
-        "is_salted",
-    )
+    __slots__ = ("pool_id", "block_id", "block_hash", "parent_hash", "token_ids", "ref_count", "is_pinned", "block_index", "is_salted")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -671,18 +431,7 @@ class BlockInfo(_message.Message):
     is_pinned: bool
     block_index: int
     is_salted: bool
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        block_id: _Optional[int] = ...,
-        block_hash: _Optional[bytes] = ...,
-        parent_hash: _Optional[bytes] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        ref_count: _Optional[int] = ...,
-        is_pinned: _Optional[bool] = ...,
-        block_index: _Optional[int] = ...,
-        is_salted: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., ref_count: _Optional[int] = ..., is_pinned: _Optional[bool] = ..., block_index: _Optional[int] = ..., is_salted: _Optional[bool] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
     __slots__ = ("pool_id", "page_size", "page_token")
@@ -692,9 +441,7 @@ class ListBlocksRequest(_message.Message):
     pool_id: str
     page_size: int
     page_token: str
-    def __init__(
-        self, pool_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListBlocksResponse(_message.Message):
     __slots__ = ("blocks", "next_page_token")
@@ -702,11 +449,7 @@ class ListBlocksResponse(_message.Message):
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     next_page_token: str
-    def __init__(
-        self,
-        blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ...,
-        next_page_token: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "pool_id")
@@ -718,24 +461,10 @@ class LookupRequest(_message.Message):
     cache_salt: str
     public_prefix_tokens: int
     pool_id: str
-    def __init__(
-        self,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        cache_salt: _Optional[str] = ...,
-        public_prefix_tokens: _Optional[int] = ...,
-        pool_id: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolMatch(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "worker_address",
-        "num_cached_tokens",
-        "load",
-        "num_sequences",
-        "num_host_cached_tokens",
-        "num_shared_cached_tokens",
-    )
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "load", "num_sequences", "num_host_cached_tokens", "num_shared_cached_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -750,16 +479,7 @@ class PoolMatch(_message.Message):
     num_sequences: int
     num_host_cached_tokens: int
     num_shared_cached_tokens: int
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        worker_address: _Optional[str] = ...,
-        num_cached_tokens: _Optional[int] = ...,
-        load: _Optional[float] = ...,
-        num_sequences: _Optional[int] = ...,
-        num_host_cached_tokens: _Optional[int] = ...,
-        num_shared_cached_tokens: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load: _Optional[float] = ..., num_sequences: _Optional[int] = ..., num_host_cached_tokens: _Optional[int] = ..., num_shared_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matches",)
@@ -775,12 +495,7 @@ class FlushRequest(_message.Message):
     pool_id: str
     cache_salt: str
     tier: Tier
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        cache_salt: _Optional[str] = ...,
-        tier: _Optional[_Union[Tier, str]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class TierFlush(_message.Message):
     __slots__ = ("tier", "dropped", "busy")
@@ -790,12 +505,7 @@ class TierFlush(_message.Message):
     tier: Tier
     dropped: int
     busy: int
-    def __init__(
-        self,
-        tier: _Optional[_Union[Tier, str]] = ...,
-        dropped: _Optional[int] = ...,
-        busy: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dropped: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
 
 class FlushResponse(_message.Message):
     __slots__ = ("dropped", "busy", "tiers")
@@ -805,12 +515,7 @@ class FlushResponse(_message.Message):
     dropped: int
     busy: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierFlush]
-    def __init__(
-        self,
-        dropped: _Optional[int] = ...,
-        busy: _Optional[int] = ...,
-        tiers: _Optional[_Iterable[_Union[TierFlush, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, dropped: _Optional[int] = ..., busy: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierFlush, _Mapping]]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "ttl_seconds", "pool_id")
@@ -824,14 +529,7 @@ class PinRequest(_message.Message):
     public_prefix_tokens: int
     ttl_seconds: float
     pool_id: str
-    def __init__(
-        self,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        cache_salt: _Optional[str] = ...,
-        public_prefix_tokens: _Optional[int] = ...,
-        ttl_seconds: _Optional[float] = ...,
-        pool_id: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("pin_id", "num_pinned_tokens", "num_pinned_blocks", "expires_in_seconds")
@@ -843,13 +541,7 @@ class PinResponse(_message.Message):
     num_pinned_tokens: int
     num_pinned_blocks: int
     expires_in_seconds: float
-    def __init__(
-        self,
-        pin_id: _Optional[str] = ...,
-        num_pinned_tokens: _Optional[int] = ...,
-        num_pinned_blocks: _Optional[int] = ...,
-        expires_in_seconds: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, pin_id: _Optional[str] = ..., num_pinned_tokens: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("pin_id", "all")
@@ -865,9 +557,7 @@ class UnpinResponse(_message.Message):
     NUM_UNPINNED_PINS_FIELD_NUMBER: _ClassVar[int]
     num_unpinned_blocks: int
     num_unpinned_pins: int
-    def __init__(
-        self, num_unpinned_blocks: _Optional[int] = ..., num_unpinned_pins: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, num_unpinned_blocks: _Optional[int] = ..., num_unpinned_pins: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("after_sequence", "pool_id")
@@ -878,16 +568,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, after_sequence: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = (
-        "sequence",
-        "kind",
-        "pool_id",
-        "block_hashes",
-        "parent_hash",
-        "token_ids",
-        "block_ids",
-        "tier",
-    )
+    __slots__ = ("sequence", "kind", "pool_id", "block_hashes", "parent_hash", "token_ids", "block_ids", "tier")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -904,17 +585,7 @@ class WatchEventsResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     tier: Tier
-    def __init__(
-        self,
-        sequence: _Optional[int] = ...,
-        kind: _Optional[_Union[BlockEventKind, str]] = ...,
-        pool_id: _Optional[str] = ...,
-        block_hashes: _Optional[_Iterable[bytes]] = ...,
-        parent_hash: _Optional[bytes] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        block_ids: _Optional[_Iterable[int]] = ...,
-        tier: _Optional[_Union[Tier, str]] = ...,
-    ) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[BlockEventKind, str]] = ..., pool_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens")
@@ -924,12 +595,7 @@ class RouteRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     public_prefix_tokens: int
-    def __init__(
-        self,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        cache_salt: _Optional[str] = ...,
-        public_prefix_tokens: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "candidates")
@@ -941,13 +607,7 @@ class RouteResponse(_message.Message):
     worker_address: str
     num_cached_tokens: int
     candidates: _containers.RepeatedCompositeFieldContainer[PoolMatch]
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        worker_address: _Optional[str] = ...,
-        num_cached_tokens: _Optional[int] = ...,
-        candidates: _Optional[_Iterable[_Union[PoolMatch, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[PoolMatch, _Mapping]]] = ...) -> None: ...
 
 class MissTokens(_message.Message):
     __slots__ = ("reason", "num_tokens")
@@ -955,9 +615,7 @@ class MissTokens(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: MissReason
     num_tokens: int
-    def __init__(
-        self, reason: _Optional[_Union[MissReason, str]] = ..., num_tokens: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, reason: _Optional[_Union[MissReason, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ExplainMissRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "public_prefix_tokens", "pool_id")
@@ -969,27 +627,10 @@ class ExplainMissRequest(_message.Message):
     cache_salt: str
     public_prefix_tokens: int
     pool_id: str
-    def __init__(
-        self,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        cache_salt: _Optional[str] = ...,
-        public_prefix_tokens: _Optional[int] = ...,
-        pool_id: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., public_prefix_tokens: _Optional[int] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class MissExplanation(_message.Message):
-    __slots__ = (
-        "pool_id",
-        "worker_address",
-        "num_cached_tokens",
-        "reason",
-        "num_missed_tokens",
-        "num_partial_tokens",
-        "first_missing_block",
-        "evicted_by",
-        "seconds_ago",
-        "other_pool_ids",
-    )
+    __slots__ = ("pool_id", "worker_address", "num_cached_tokens", "reason", "num_missed_tokens", "num_partial_tokens", "first_missing_block", "evicted_by", "seconds_ago", "other_pool_ids")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -1010,19 +651,7 @@ class MissExplanation(_message.Message):
     evicted_by: str
     seconds_ago: float
     other_pool_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(
-        self,
-        pool_id: _Optional[str] = ...,
-        worker_address: _Optional[str] = ...,
-        num_cached_tokens: _Optional[int] = ...,
-        reason: _Optional[_Union[MissReason, str]] = ...,
-        num_missed_tokens: _Optional[int] = ...,
-        num_partial_tokens: _Optional[int] = ...,
-        first_missing_block: _Optional[int] = ...,
-        evicted_by: _Optional[str] = ...,
-        seconds_ago: _Optional[float] = ...,
-        other_pool_ids: _Optional[_Iterable[str]] = ...,
-    ) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., reason: _Optional[_Union[MissReason, str]] = ..., num_missed_tokens: _Optional[int] = ..., num_partial_tokens: _Optional[int] = ..., first_missing_block: _Optional[int] = ..., evicted_by: _Optional[str] = ..., seconds_ago: _Optional[float] = ..., other_pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExplainMissResponse(_message.Message):
     __slots__ = ("num_tokens", "pools")
@@ -1030,8 +659,4 @@ class ExplainMissResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     pools: _containers.RepeatedCompositeFieldContainer[MissExplanation]
-    def __init__(
-        self,
-        num_tokens: _Optional[int] = ...,
-        pools: _Optional[_Iterable[_Union[MissExplanation, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, num_tokens: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[MissExplanation, _Mapping]]] = ...) -> None: ...
