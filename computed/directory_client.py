@@ -3,6 +3,8 @@
 Every failure of blockd (down, restarted, lease lapsed, stale epoch) surfaces as
 `DirectoryUnavailable`; the engine then calls `recover()`, which re-registers the
 same pool id (blockd resets it) and re-declares the live sequences with `Resync`.
+Prompts travel as packed `token_bytes`, and a commit of blocks inside the prompt this
+client admitted sends no tokens (commit by block index: blockd holds them).
 Re-registering presents the pool_token blockd answered at the first registration: a
 blockd with a worker token resets a live pool only for its owner. Every call carries
 the worker token, when there is one, as 'authorization: Bearer <token>'.
@@ -29,6 +31,7 @@ from computed.shared_store import StoredBlock
 from kvcache.v1 import cache_policy_pb2
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
+from kvcache_contract.block_hash import token_bytes
 
 CACHE_POLICIES = {
     "store": cache_policy_pb2.CACHE_POLICY_STORE,
@@ -93,6 +96,10 @@ class DirectoryClient:
         )
         self._stub = pb_grpc.BlockDirectoryServiceStub(self._channel)
         self.lease: PoolLease | None = None
+        # Per admitted sequence: [prompt tokens blockd holds, blocks committed so far].
+        # A commit inside that prompt sends no tokens (blockd has them); a sequence
+        # missing here (resynced, or admitted before a failure) sends them.
+        self._held: dict[int, list[int]] = {}
         # Set by the lease renewer when blockd no longer knows our epoch.
         self.needs_recovery = False
 
@@ -117,6 +124,7 @@ class DirectoryClient:
             shared_load_seconds_per_block=spec.shared_load_seconds_per_block,
         )
         reply = await self._call(self._stub.RegisterPool, request)
+        self._held.clear()  # a (re-)registered pool holds no sequence
         self.lease = PoolLease(
             reply.pool_id, reply.epoch, reply.lease_ttl_seconds, reply.pool_token, reply.shared_namespace
         )
@@ -131,19 +139,17 @@ class DirectoryClient:
 
     async def step(self, ops: DirectoryOps) -> DirectoryResult:
         lease = self._require_lease()
+        commits = [self._commit_op(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits]
         request = pb.StepRequest(
             pool_id=lease.pool_id,
             epoch=lease.epoch,
-            commits=[
-                pb.CommitOp(sequence_id=c.sequence_id, block_ids=c.block_ids, token_ids=c.token_ids)
-                for c in ops.commits
-            ],
+            commits=[op for op, _ in commits],
             releases=[pb.ReleaseOp(sequence_id=s) for s in ops.releases],
             grows=[pb.GrowOp(sequence_id=g.sequence_id, num_tokens=g.num_tokens) for g in ops.grows],
             admits=[
                 pb.AdmitOp(
                     sequence_id=a.sequence_id,
-                    token_ids=a.token_ids,
+                    token_bytes=token_bytes(a.token_ids),
                     cache_salt=a.cache_salt,
                     public_prefix_tokens=a.public_prefix_tokens,
                     cache_policy=CACHE_POLICIES[a.cache_policy],
@@ -159,7 +165,18 @@ class DirectoryClient:
             reply = await self._call(self._stub.Step, request)
         except DirectoryUnavailable:
             self.needs_recovery = True  # the Directory contract: recover before the next step
+            self._held.clear()  # recovery resyncs: from then on commits send their tokens
             raise
+        # blockd applied the whole Step: commits, then releases, then admits.
+        for c, num_blocks in zip(ops.commits, (n for _, n in commits), strict=True):
+            if c.sequence_id in self._held:
+                self._held[c.sequence_id][1] += num_blocks
+        for sequence_id in ops.releases:
+            self._held.pop(sequence_id, None)
+        admitted = {a.sequence_id for a in reply.admits if a.admitted}
+        for a in ops.admits:
+            if a.sequence_id in admitted:
+                self._held[a.sequence_id] = [len(a.token_ids), 0]
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
             admits=[
@@ -178,6 +195,20 @@ class DirectoryClient:
             demotions=[(c.block_id, c.host_block_id) for c in reply.demotions],
             shared_stores=[_stored_block(b) for b in reply.shared_stores],
         )
+
+    def _commit_op(
+        self, sequence_id: int, block_ids: list[int], token_ids: list[int]
+    ) -> tuple[pb.CommitOp, int]:
+        """The commit, without its tokens when blockd holds them already (the run lies
+        in the prompt this client admitted): commit by block index. Answers the op and
+        its number of blocks."""
+        held = self._held.get(sequence_id)
+        num_blocks = len(block_ids)
+        if held is not None and (held[1] + num_blocks) * self.spec.block_size <= held[0]:
+            return pb.CommitOp(sequence_id=sequence_id, block_ids=block_ids), num_blocks
+        return pb.CommitOp(
+            sequence_id=sequence_id, block_ids=block_ids, token_bytes=token_bytes(token_ids)
+        ), num_blocks
 
     async def resync(self, sequences: list[ResyncSequence]) -> None:
         lease = self._require_lease()

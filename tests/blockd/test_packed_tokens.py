@@ -83,3 +83,34 @@ async def test_the_packed_fields_over_grpc(blockd):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await blockd.workers.Step(step(admits=[pb.AdmitOp(sequence_id=3, token_bytes=b"\x00" * 5)]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in info.value.details()
+
+
+async def test_the_worker_client_sends_packed_prompts_and_commits_by_index(blockd):
+    """computed's DirectoryClient against a real blockd: the prompt goes packed, the
+    commit of its blocks goes without tokens, a decoded block goes with them."""
+    from computed.directory_client import DirectoryClient, PoolSpec
+    from computed.directory_ops import AdmitOp as WAdmit
+    from computed.directory_ops import CommitOp as WCommit
+    from computed.directory_ops import DirectoryOps
+    from computed.directory_ops import GrowOp as WGrow
+
+    spec = PoolSpec(
+        num_blocks=16, block_size=4, model_id="m", model_revision="", dtype="", worker_address="w:1"
+    )
+    client = DirectoryClient(blockd.address, spec)
+    try:
+        await client.register()
+        reply = await client.step(DirectoryOps(admits=[WAdmit(1, B[:12], "", 0)]))
+        table = reply.admits[0].block_ids
+        op, _ = client._commit_op(1, table[:2], B[:8])
+        assert not op.token_ids and not op.token_bytes  # by index: blockd holds the prompt
+        await client.step(DirectoryOps(commits=[WCommit(1, table[:2], B[:8])]))
+        grown = await client.step(DirectoryOps(grows=[WGrow(1, 16, False)]))
+        table += grown.grows[0].new_block_ids
+        op, _ = client._commit_op(1, table[2:4], B[8:16])
+        assert op.token_bytes == token_bytes(B[8:16])  # block 3 was decoded: its tokens go along
+        await client.step(DirectoryOps(commits=[WCommit(1, table[2:4], B[8:16])], releases=[1]))
+        again = await client.step(DirectoryOps(admits=[WAdmit(2, B, "", 0)]))
+        assert again.admits[0].num_cached_tokens == 16
+    finally:
+        await client.close()
