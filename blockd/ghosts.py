@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from blockd.admission import KeyMemory
+from blockd.eviction import GatedPolicy
 from blockd.hashing import BlockHasher, salt_tag
 from blockd.prompt import Prompt
 from blockd.types import BlockHash
@@ -52,6 +54,13 @@ class MissReason(enum.Enum):
     BYPASSED = "bypassed"  # the request's cache_policy was NONE: nothing was looked up
 
 
+# Hashes the key memory (blockd.admission) tracks per ghost: with the default 2 ghosts
+# per block, 8x the pool. The admission gate needs several times the pool (measured:
+# bench.eviction_quality); 1.25 bytes each, against ~200 per ghost.
+KEYS_PER_GHOST = 4
+
+GATED_POLICY = GatedPolicy.name  # its one-use victims were never admitted
+
 # Ghost causes that are reasons of their own (an eviction's cause is the policy name).
 FLUSH = "flush"
 NOT_STORED = "cache_policy"
@@ -64,6 +73,13 @@ class Ghost:
     cause: str  # the evicting policy's name, FLUSH or NOT_STORED
     at: float  # clock seconds when it left
     num_uses: int  # commits and hits it had had (carried into a recommit)
+
+    @property
+    def not_admitted(self) -> bool:
+        """Evicted by the admission gate's policy while on probation (used once, its key
+        not seen before): the block was cached but never admitted. A MissReason of its own
+        once the contract has MISS_REASON_NOT_ADMITTED; until then it counts as EVICTED."""
+        return self.cause == GATED_POLICY and self.num_uses < 2
 
     @property
     def reason(self) -> MissReason:
@@ -105,9 +121,14 @@ class GhostTable:
         self._on_return = on_return  # the policy's `returned`: a ghost came back
         self._ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
         self.salted: dict[BlockHash, int] = {}
+        # Every hash that left, for far longer than the ghosts (hash only, approximate).
+        self.keys = KeyMemory(int(KEYS_PER_GHOST * capacity))
 
     def __len__(self) -> int:
         return len(self._ghosts)
+
+    def __bool__(self) -> bool:
+        return self.capacity > 0
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._ghosts
@@ -119,20 +140,22 @@ class GhostTable:
         """Blocks that just left the index (or were never stored), oldest first."""
         if not self.capacity:
             return
-        ghosts = self._ghosts
+        ghosts, keys = self._ghosts, self.keys
         now = self._clock()
         for block_hash, num_uses in hashes_and_uses:
             ghosts.pop(block_hash, None)  # refresh: it moves to the young end
             ghosts[block_hash] = Ghost(cause, now, num_uses)
+            keys.add(block_hash)
         while len(ghosts) > self.capacity:
             ghosts.popitem(last=False)
 
     def recall(self, block_hash: BlockHash) -> int:
         """A block with this hash is indexed again: forget its ghost, answer the uses
-        it remembered (0 for a hash never seen or forgotten)."""
+        it remembered: the ghost's count, else 1 when only the key memory still knows
+        the hash (seen before, how often forgotten), else 0."""
         ghost = self._ghosts.pop(block_hash, None)
         if ghost is None:
-            return 0
+            return 1 if block_hash in self.keys else 0
         if self._on_return is not None and ghost.reason is MissReason.EVICTED:
             self._on_return(ghost.num_uses)
         return ghost.num_uses
@@ -149,6 +172,7 @@ class GhostTable:
 
     def clear(self) -> None:
         self._ghosts.clear()
+        self.keys.clear()
 
 
 def classify_miss(
