@@ -6,6 +6,10 @@ Both go through `BlockDirectory.step`, validation included, as a worker's call d
 with the tokens as a Python list; "warm, protobuf tokens" passes them as the parsed
 repeated field the gRPC servicer hands over (converted through numpy).
 Goal: median <= 100 us per warm admit + release.
+
+Side by side, the two wire forms of a Step as the servicer handles them (bytes parsed,
+converted, applied): varint token_ids with commits that resend their tokens, against
+packed token_bytes with commits by block index.
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ def main(quick: bool = False) -> dict:
     convert = [_timed(lambda: token_bytes(prompt)) for _ in range(iterations)]
     hashing = [_timed(lambda: DEFAULT_HASHER.chain(seed, data, BLOCK_SIZE)) for _ in range(iterations)]
 
+    wire = _wire_forms(iterations // 3, rng)
     figures = {
+        **wire,
         "cold_admit_release_us": round(_median_us(cold), 1),
         "warm_admit_release_us": round(_median_us(warm), 1),
         "warm_p99_us": round(statistics.quantiles(warm, n=100)[98] * 1e6, 1),
@@ -102,7 +108,60 @@ def main(quick: bool = False) -> dict:
         f"  warm / cold = {figures['warm_over_cold']}x; warm / goal ({GOAL_US:.0f} us) = "
         f"{figures['warm_over_goal']}x"
     )
+    print(
+        f"  wire form of one admission's Steps (admit 4,096 tokens; commit 128 blocks, release), "
+        f"parsed + converted to token bytes, interleaved: varint token_ids + commit with tokens "
+        f"{figures['varint_step_us']} us ({figures['varint_step_bytes']} B), packed token_bytes + commit "
+        f"by index {figures['packed_step_us']} us ({figures['packed_step_bytes']} B); varint / packed = "
+        f"{figures['varint_over_packed']}x"
+    )
     return figures
+
+
+def _wire_forms(iterations: int, rng: random.Random) -> dict:
+    """What the wire form costs blockd per admission, side by side: the Step bytes of
+    one admission (a 4,096-token prompt) and of its finish (commit of its 128 uncached
+    blocks, release) parsed (`StepRequest.FromString`), converted
+    (`messages.step_ops_from`) and turned into token bytes (`validation.packed_tokens`,
+    what admission and commit validation do first). The directory's work after that is
+    the same for both forms, so it is left out: on a shared machine its noise (eviction
+    dominates it) would hide this difference."""
+    from blockd import messages  # the servicer's converter (imports the generated code)
+    from blockd.validation import packed_tokens
+
+    tokens = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
+    half = PROMPT_TOKENS // 2
+    requests = {}
+    for packed in (False, True):
+        request = pb.StepRequest(pool_id="pool-wire", epoch=1_700_000_000_123)
+        commit = request.commits.add(sequence_id=1, block_ids=range(128, 256))
+        request.releases.add(sequence_id=1)
+        if packed:
+            request.admits.add(sequence_id=2, token_bytes=token_bytes(tokens))
+        else:
+            commit.token_ids.extend(tokens[half:])
+            request.admits.add(sequence_id=2, token_ids=tokens)
+        requests[packed] = request.SerializeToString()
+
+    def handle(data: bytes) -> None:
+        commits, _, _, admits = messages.step_ops_from(pb.StepRequest.FromString(data))
+        for op in commits:
+            packed_tokens(op.token_ids, op.token_bytes, "commit")
+        for op in admits:
+            packed_tokens(op.token_ids, op.token_bytes, "admit")
+
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(iterations * 10):  # alternate which form goes first
+        for packed in (False, True) if i % 2 else (True, False):
+            samples[packed].append(_timed(lambda: handle(requests[packed])))  # noqa: B023
+    varint, packed = _median_us(samples[False]), _median_us(samples[True])
+    return {
+        "varint_step_us": round(varint, 1),
+        "packed_step_us": round(packed, 1),
+        "varint_over_packed": round(varint / packed, 2),
+        "varint_step_bytes": len(requests[False]),
+        "packed_step_bytes": len(requests[True]),
+    }
 
 
 def _timed(fn) -> float:

@@ -18,7 +18,10 @@ Side by side, the same closed loop runs against an echo server (this module with
 with half its blocks cached): the ceiling that gRPC, the client and the machine allow,
 so `batched_over_ceiling` says how close blockd's own work lets it come.
 
-The batched workers write their requests with `StepWriter` (cached wire bytes of the
+The batched workers send the contract's cheap wire forms (prompts as packed
+`token_bytes`, commits by block index without tokens); the closed loop also runs with
+the old forms (varint `token_ids`, commits resending their tokens), interleaved, and
+reports the ratio. The batched workers write their requests with `StepWriter` (cached wire bytes of the
 prompts' blocks) rather than building protobuf messages from 24K-int lists per Step:
 building them, the client alone capped this benchmark at ~1,400 admissions/s on a
 2-core machine (measured against a server that answers at once). The bytes on the
@@ -129,24 +132,36 @@ def _field(key: int, payload: bytes) -> bytes:
     return bytes((key,)) + _varint(len(payload)) + payload
 
 
-SYSTEM_BLOCKS = tuple(_packed(SYSTEM_PROMPT[i : i + BLOCK_SIZE]) for i in range(0, SHARED_PREFIX, BLOCK_SIZE))
+def _le(values: list[int]) -> bytes:
+    """The payload of a packed `token_bytes` field: uint32 little-endian."""
+    return b"".join(v.to_bytes(4, "little") for v in values)
+
+
+# The two wire forms of a Step's tokens: "varint" (token_ids lists, commits resend their
+# tokens) and "packed" (token_bytes, commits by block index without tokens).
+ENCODINGS = {"varint": _packed, "packed": _le}
+WIRES = tuple(ENCODINGS)
 
 
 class Prompts:
     """Shared system prefix + a unique suffix; suffixes are drawn once and made unique by
     a counter, so the client spends its CPU on calls, not on random numbers. Besides the
-    token lists (`next`), each prompt's blocks are kept as packed-varint wire bytes
+    token lists (`next`), each prompt's blocks are kept as wire bytes of `wire`'s form
     (`next_blocks`), so a Step can be written without converting any token."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, wire: str = "varint") -> None:
         rng = random.Random(seed)
+        encode = self._encode = ENCODINGS[wire]
         self._suffixes = [
             [rng.randrange(128_000) for _ in range(PROMPT_TOKENS - SHARED_PREFIX)] for _ in range(8)
         ]
+        self._system = tuple(
+            encode(SYSTEM_PROMPT[i : i + BLOCK_SIZE]) for i in range(0, SHARED_PREFIX, BLOCK_SIZE)
+        )
         # Block 0 of a suffix starts with the unique token; the rest of it is fixed.
-        self._heads = [_packed(s[1:BLOCK_SIZE]) for s in self._suffixes]
+        self._heads = [encode(s[1:BLOCK_SIZE]) for s in self._suffixes]
         self._tails = [
-            [_packed(s[i : i + BLOCK_SIZE]) for i in range(BLOCK_SIZE, len(s), BLOCK_SIZE)]
+            [encode(s[i : i + BLOCK_SIZE]) for i in range(BLOCK_SIZE, len(s), BLOCK_SIZE)]
             for s in self._suffixes
         ]
         self._count = 0
@@ -157,20 +172,24 @@ class Prompts:
         return SYSTEM_PROMPT + [200_000 + self._count] + suffix[1:]
 
     def next_blocks(self) -> list[bytes]:
-        """The next prompt (the one `next` would answer) as packed varints, block by block."""
+        """The next prompt (the one `next` would answer) in wire form, block by block."""
         self._count += 1
         k = self._count % len(self._suffixes)
-        return [*SYSTEM_BLOCKS, _varint(200_000 + self._count) + self._heads[k], *self._tails[k]]
+        return [*self._system, self._encode([200_000 + self._count]) + self._heads[k], *self._tails[k]]
 
 
 class StepWriter:
     """Writes one worker's StepRequest bytes: commits and releases of the previous
-    step's admissions, then new admissions (proto3 wire format, field by field)."""
+    step's admissions, then new admissions (proto3 wire format, field by field), in
+    either wire form (`WIRES`)."""
 
-    def __init__(self, pool: pb.RegisterPoolResponse, prompts: Prompts) -> None:
+    def __init__(self, pool: pb.RegisterPoolResponse, prompts: Prompts, wire: str = "varint") -> None:
         self._header = _field(0x0A, pool.pool_id.encode()) + b"\x10" + _varint(pool.epoch)
         self._prompts = prompts
         self._next_id = 0
+        self._packed = wire == "packed"
+        # AdmitOp.token_ids is field 2, AdmitOp.token_bytes field 5 (both length-delimited)
+        self._admit_key = 0x2A if self._packed else 0x12
 
     def write(self, running: list[tuple[int, list[bytes], pb.AdmitResult]]) -> tuple[bytes, list]:
         """Answers the request and its admissions as (sequence id, blocks) pairs."""
@@ -178,7 +197,8 @@ class StepWriter:
         for sequence_id, blocks, result in running:
             first = result.num_cached_tokens // BLOCK_SIZE
             ids = pb.CommitOp(sequence_id=sequence_id, block_ids=result.block_ids[first:]).SerializeToString()
-            parts.append(_field(0x1A, ids + _field(0x1A, b"".join(blocks[first:]))))
+            # packed: commit by block index, the tokens are blockd's copy of the prompt
+            parts.append(_field(0x1A, ids if self._packed else ids + _field(0x1A, b"".join(blocks[first:]))))
         for sequence_id, _, _ in running:
             parts.append(_field(0x22, b"\x08" + _varint(sequence_id)))
         admits = []
@@ -186,24 +206,35 @@ class StepWriter:
             sequence_id, self._next_id = self._next_id, self._next_id + 1
             blocks = self._prompts.next_blocks()
             admits.append((sequence_id, blocks))
-            parts.append(_field(0x32, b"\x08" + _varint(sequence_id) + _field(0x12, b"".join(blocks))))
+            parts.append(
+                _field(0x32, b"\x08" + _varint(sequence_id) + _field(self._admit_key, b"".join(blocks)))
+            )
         return b"".join(parts), admits
 
     @staticmethod
     def check() -> None:
         """The written bytes parse to the message protobuf would build from token lists."""
-        pool = pb.RegisterPoolResponse(pool_id="pool-check", epoch=1_700_000_000_123)
-        writer, lists = StepWriter(pool, Prompts(7)), Prompts(7)
-        admitted = pb.AdmitResult(sequence_id=0, admitted=True, block_ids=range(256), num_cached_tokens=2048)
-        _, admits = writer.write([])
-        data, _ = writer.write([(admits[0][0], admits[0][1], admitted)])
-        expected = pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch)
-        first_prompts = [lists.next() for _ in range(ADMITS_PER_STEP)]
-        expected.commits.add(sequence_id=0, block_ids=range(128, 256), token_ids=first_prompts[0][2048:])
-        expected.releases.add(sequence_id=0)
-        for sequence_id in range(ADMITS_PER_STEP, 2 * ADMITS_PER_STEP):
-            expected.admits.add(sequence_id=sequence_id, token_ids=lists.next())
-        assert pb.StepRequest.FromString(data) == expected, "StepWriter wrote another request"
+        for wire in WIRES:
+            pool = pb.RegisterPoolResponse(pool_id="pool-check", epoch=1_700_000_000_123)
+            writer, lists = StepWriter(pool, Prompts(7, wire), wire), Prompts(7)
+            admitted = pb.AdmitResult(
+                sequence_id=0, admitted=True, block_ids=range(256), num_cached_tokens=2048
+            )
+            _, admits = writer.write([])
+            data, _ = writer.write([(admits[0][0], admits[0][1], admitted)])
+            expected = pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch)
+            first_prompts = [lists.next() for _ in range(ADMITS_PER_STEP)]
+            commit = expected.commits.add(sequence_id=0, block_ids=range(128, 256))
+            if wire == "varint":
+                commit.token_ids.extend(first_prompts[0][2048:])
+            expected.releases.add(sequence_id=0)
+            for sequence_id in range(ADMITS_PER_STEP, 2 * ADMITS_PER_STEP):
+                tokens = lists.next()
+                if wire == "packed":
+                    expected.admits.add(sequence_id=sequence_id, token_bytes=_le(tokens))
+                else:
+                    expected.admits.add(sequence_id=sequence_id, token_ids=tokens)
+            assert pb.StepRequest.FromString(data) == expected, f"StepWriter wrote another {wire} request"
 
 
 async def _register(channel: grpc.aio.Channel) -> pb.RegisterPoolResponse:
@@ -216,13 +247,18 @@ async def _register(channel: grpc.aio.Channel) -> pb.RegisterPoolResponse:
 
 
 async def batched_worker(
-    address: str, index: int, stop_at: float, latencies: list[float], period: float | None = None
+    address: str,
+    index: int,
+    stop_at: float,
+    latencies: list[float],
+    period: float | None = None,
+    wire: str = "packed",
 ) -> int:
     """Answers how many sequences it admitted. Closed loop without `period`; with it,
     one Step every `period` seconds (open loop), phase-shifted by the worker's index."""
     async with grpc.aio.insecure_channel(address) as channel:
         step = channel.unary_unary(STEP_METHOD, response_deserializer=pb.StepResponse.FromString)
-        writer = StepWriter(await _register(channel), Prompts(index))
+        writer = StepWriter(await _register(channel), Prompts(index, wire), wire)
         running: list[tuple[int, list[bytes], pb.AdmitResult]] = []
         admitted = 0
         scheduled = time.perf_counter() + (index / NUM_WORKERS * period if period else 0.0)
@@ -286,12 +322,14 @@ async def naive_worker(address: str, index: int, stop_at: float) -> int:
         return admitted
 
 
-async def _batched(address: str, seconds: float, period: float | None) -> tuple[float, list[float]]:
+async def _batched(
+    address: str, seconds: float, period: float | None, wire: str = "packed"
+) -> tuple[float, list[float]]:
     """Admissions per second and Step latencies of NUM_WORKERS batched workers."""
     latencies: list[float] = []
     start = time.monotonic()
     counts = await asyncio.gather(
-        *(batched_worker(address, i, start + seconds, latencies, period) for i in range(NUM_WORKERS))
+        *(batched_worker(address, i, start + seconds, latencies, period, wire) for i in range(NUM_WORKERS))
     )
     return sum(counts) / (time.monotonic() - start), latencies
 
@@ -301,6 +339,11 @@ def _ms(latencies: list[float], percentile: int) -> float:
 
 
 async def run(address: str, echo_address: str, seconds: float) -> dict:
+    # The wire forms side by side, interleaved (the machine is shared): varint, packed, twice.
+    rates: dict[str, list[float]] = {wire: [] for wire in WIRES}
+    for _ in range(2):
+        for wire in WIRES:
+            rates[wire].append((await _batched(address, seconds / 2, None, wire))[0])
     closed_rate, closed = await _batched(address, seconds, None)
     ceiling, _ = await _batched(echo_address, seconds, None)
     offered = closed_rate * OPEN_LOOP_LOAD
@@ -315,6 +358,9 @@ async def run(address: str, echo_address: str, seconds: float) -> dict:
         "workers": NUM_WORKERS,
         "admits_per_step": ADMITS_PER_STEP,
         "batched_admissions_per_s": round(closed_rate, 1),
+        "varint_wire_admissions_per_s": round(statistics.mean(rates["varint"]), 1),
+        "packed_wire_admissions_per_s": round(statistics.mean(rates["packed"]), 1),
+        "packed_over_varint": round(statistics.mean(rates["packed"]) / statistics.mean(rates["varint"]), 2),
         "transport_ceiling_admissions_per_s": round(ceiling, 1),
         "batched_over_ceiling": round(closed_rate / ceiling, 2),
         "batched_tokens_per_s": round(closed_rate * PROMPT_TOKENS),
@@ -363,6 +409,11 @@ def main(quick: bool = False) -> dict:
     print(
         f"  echo server (gRPC, client and machine only): {figures['transport_ceiling_admissions_per_s']} "
         f"admissions/s; blockd / echo = {figures['batched_over_ceiling']}"
+    )
+    print(
+        f"  wire forms, closed loop, interleaved: packed token_bytes + commit by index "
+        f"{figures['packed_wire_admissions_per_s']} admissions/s, varint token_ids + commits with tokens "
+        f"{figures['varint_wire_admissions_per_s']} (packed / varint = {figures['packed_over_varint']})"
     )
     print(f"  naive (one Step per block): {figures['naive_admissions_per_s']} admissions/s")
     print(
