@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from computed import kernels
+from computed import kernels, triton_layers
 
 
 class Linear(nn.Linear):
@@ -117,8 +117,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.triton_ops = False  # one Triton kernel (computed.triton_layers): CausalLM.use_triton_layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton_ops:
+            return triton_layers.rms_norm(x, self.weight, self.eps)
         if (
             x.dtype == torch.float32
             and x.device.type == "cpu"
@@ -147,6 +150,7 @@ class SwiGLU(nn.Module):
         # (2 * intermediate, hidden): gate's rows, then up's, once `fuse()` ran; packed by `pack()`.
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_packed", None, persistent=False)
+        self.triton_ops = False  # the activation as one Triton kernel (computed.triton_layers)
 
     def fuse(self) -> None:
         """Gate and up as one product (see `fuse_rows`)."""
@@ -178,6 +182,8 @@ class SwiGLU(nn.Module):
             if op is not None:
                 return self.down_proj(op(x, self.gate_up_packed, 2 * self.intermediate_size))
         gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)  # (T, 2 * intermediate)
+        if self.triton_ops and gate_up.dim() == 2:
+            return self.down_proj(triton_layers.silu_mul(gate_up))
         if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2:
             op = kernels.silu_mul()
             if op is not None:  # one pass, where torch takes two ops over strided halves

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from computed import triton_layers
 from computed.attention import AttentionBatch, attend, paged_attention, write_new_kv
 from computed.backends import AttentionBackend
 from computed.backends.registry import AttentionTarget, BackendChoice, select_attention_backend
@@ -50,6 +51,7 @@ class Attention(nn.Module):
         # The attention backend chosen at load (`CausalLM.use_attention_backend`); None asks
         # the registry per call.
         self.backend: AttentionBackend | None = None
+        self.triton_ops = False  # q/k norms and rotary as one Triton kernel (computed.triton_layers)
 
     def fuse(self) -> None:
         """q, k and v as one product (see `fuse_rows`)."""
@@ -85,10 +87,17 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        if hasattr(self, "q_norm"):
-            # Contiguous, as the unfused products are: the norm then takes its native kernel.
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        if self.triton_ops and hasattr(self, "q_norm"):  # Qwen3: the norms, then rotary, one kernel
+            q, k = triton_layers.qk_norm_rotary(
+                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin
+            )
+        elif self.triton_ops:
+            q, k = triton_layers.qk_norm_rotary(q, k, None, None, 0.0, cos, sin)
+        else:
+            if hasattr(self, "q_norm"):
+                # Contiguous, as the unfused products are: the norm then takes its native kernel.
+                q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+            q, k = apply_rotary_qk(q, k, cos, sin)
         if read is None:
             out = paged_attention(q, k, v, self.layer_idx, batch, pool, self.scale, self.backend)  # (T, H, D)
         else:
@@ -108,6 +117,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.triton_ops = False  # the residual add and the norm after it as one Triton kernel
 
     def forward(
         self,
@@ -120,7 +130,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), or (S, hidden) for `read`'s rows (see `Attention`)."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, read)
-        x = (x if read is None else x.index_select(0, read.rows)) + attn
+        x = x if read is None else x.index_select(0, read.rows)
+        if self.triton_ops:  # (norm(x + attn), x + attn) in one pass
+            norm = self.post_attention_layernorm
+            h, x = triton_layers.add_rms_norm(attn, x, norm.weight, norm.eps)
+            return x + self.mlp(h)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -188,7 +203,19 @@ class CausalLM(nn.Module):
         target = AttentionTarget(pool.device, dtype, pool.dtype, c.head_dim, c.num_heads // c.num_kv_heads)
         choice = select_attention_backend(target)
         self.use_attention_backend(choice.backend)
+        if choice.backend.name == "cuda_triton" and triton_layers.enabled(pool.device):
+            self.use_triton_layers(True)
+            choice = dataclasses.replace(
+                choice, reason=f"{choice.reason}; layer ops fused ({triton_layers.ENV}=1)"
+            )
         return choice
+
+    def use_triton_layers(self, on: bool) -> None:
+        """Every norm, residual add + norm, q/k norm + rotary and SiLU·mul of the modules'
+        forward as one Triton kernel each (`computed.triton_layers`), or torch's ops again."""
+        for module in self.modules():
+            if hasattr(module, "triton_ops"):
+                module.triton_ops = on
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Every layer's attention through `backend` (`computed.backends.registry`'s choice
