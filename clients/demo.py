@@ -19,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -210,12 +211,22 @@ def cold_request(client: KVCacheClient, started: bool, max_tokens: int) -> tuple
     """
     messages = build_messages(QUESTIONS[0])
     if started:
+        _wait_released(client)
         flushed = client.blockd.flush()
         how = f"after a flush ({flushed.dropped:,} blocks dropped, {flushed.busy:,} busy)"
         return how, client.complete(messages=messages, max_tokens=max_tokens)
     salt = f"demo-{uuid.uuid4().hex}"
     how = "under a fresh cache salt (the running stack is not flushed)"
     return how, client.complete(messages=messages, max_tokens=max_tokens, cache_salt=salt)
+
+
+def _wait_released(client: KVCacheClient, timeout: float = 5.0) -> None:
+    """Until the workload's sequences are released (a worker releases a finished request's
+    blocks a step after its last token): a flush leaves referenced blocks in place, and the
+    cold request would hit them."""
+    deadline = time.monotonic() + timeout
+    while client.blockd.get_stats().total.num_sequences and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def speedup_line(results: Sequence[tuple[str, Completion]], again: Completion) -> str | None:
