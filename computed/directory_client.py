@@ -96,10 +96,10 @@ class DirectoryClient:
         )
         self._stub = pb_grpc.BlockDirectoryServiceStub(self._channel)
         self.lease: PoolLease | None = None
-        # Per admitted sequence: [prompt tokens blockd holds, blocks committed so far].
-        # A commit inside that prompt sends no tokens (blockd has them); a sequence
-        # missing here (resynced, or admitted before a failure) sends them.
-        self._held: dict[int, list[int]] = {}
+        # Per admitted sequence: (prompt tokens blockd holds, block id -> its index in
+        # the table). A commit inside that prompt sends no tokens (blockd has them); a
+        # sequence missing here (resynced after a failure) sends them.
+        self._held: dict[int, tuple[int, dict[int, int]]] = {}
         # Set by the lease renewer when blockd no longer knows our epoch.
         self.needs_recovery = False
 
@@ -139,11 +139,10 @@ class DirectoryClient:
 
     async def step(self, ops: DirectoryOps) -> DirectoryResult:
         lease = self._require_lease()
-        commits = [self._commit_op(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits]
         request = pb.StepRequest(
             pool_id=lease.pool_id,
             epoch=lease.epoch,
-            commits=[op for op, _ in commits],
+            commits=[self._commit_op(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits],
             releases=[pb.ReleaseOp(sequence_id=s) for s in ops.releases],
             grows=[pb.GrowOp(sequence_id=g.sequence_id, num_tokens=g.num_tokens) for g in ops.grows],
             admits=[
@@ -167,16 +166,20 @@ class DirectoryClient:
             self.needs_recovery = True  # the Directory contract: recover before the next step
             self._held.clear()  # recovery resyncs: from then on commits send their tokens
             raise
-        # blockd applied the whole Step: commits, then releases, then admits.
-        for c, num_blocks in zip(ops.commits, (n for _, n in commits), strict=True):
-            if c.sequence_id in self._held:
-                self._held[c.sequence_id][1] += num_blocks
+        # blockd applied the whole Step: commits, releases, grows, then admits.
         for sequence_id in ops.releases:
             self._held.pop(sequence_id, None)
-        admitted = {a.sequence_id for a in reply.admits if a.admitted}
+        for g in reply.grows:
+            held = self._held.get(g.sequence_id)
+            if held is not None:
+                positions = held[1]
+                for block_id in g.new_block_ids:
+                    positions[block_id] = len(positions)
+        results = {a.sequence_id: a for a in reply.admits if a.admitted}
         for a in ops.admits:
-            if a.sequence_id in admitted:
-                self._held[a.sequence_id] = [len(a.token_ids), 0]
+            result = results.get(a.sequence_id)
+            if result is not None:
+                self._held[a.sequence_id] = (len(a.token_ids), {b: i for i, b in enumerate(result.block_ids)})
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
             admits=[
@@ -196,19 +199,17 @@ class DirectoryClient:
             shared_stores=[_stored_block(b) for b in reply.shared_stores],
         )
 
-    def _commit_op(
-        self, sequence_id: int, block_ids: list[int], token_ids: list[int]
-    ) -> tuple[pb.CommitOp, int]:
-        """The commit, without its tokens when blockd holds them already (the run lies
-        in the prompt this client admitted): commit by block index. Answers the op and
-        its number of blocks."""
+    def _commit_op(self, sequence_id: int, block_ids: list[int], token_ids: list[int]) -> pb.CommitOp:
+        """The commit, without its tokens when blockd holds them already: the run lies
+        inside the prompt this client admitted (its place in the block table says where),
+        so blockd takes the tokens from its own copy (commit by block index)."""
         held = self._held.get(sequence_id)
-        num_blocks = len(block_ids)
-        if held is not None and (held[1] + num_blocks) * self.spec.block_size <= held[0]:
-            return pb.CommitOp(sequence_id=sequence_id, block_ids=block_ids), num_blocks
-        return pb.CommitOp(
-            sequence_id=sequence_id, block_ids=block_ids, token_bytes=token_bytes(token_ids)
-        ), num_blocks
+        if held is not None and block_ids:
+            num_prompt_tokens, positions = held
+            first = positions.get(block_ids[0])
+            if first is not None and (first + len(block_ids)) * self.spec.block_size <= num_prompt_tokens:
+                return pb.CommitOp(sequence_id=sequence_id, block_ids=block_ids)
+        return pb.CommitOp(sequence_id=sequence_id, block_ids=block_ids, token_bytes=token_bytes(token_ids))
 
     async def resync(self, sequences: list[ResyncSequence]) -> None:
         lease = self._require_lease()

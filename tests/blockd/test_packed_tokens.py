@@ -102,15 +102,49 @@ async def test_the_worker_client_sends_packed_prompts_and_commits_by_index(block
         await client.register()
         reply = await client.step(DirectoryOps(admits=[WAdmit(1, B[:12], "", 0)]))
         table = reply.admits[0].block_ids
-        op, _ = client._commit_op(1, table[:2], B[:8])
+        op = client._commit_op(1, table[:2], B[:8])
         assert not op.token_ids and not op.token_bytes  # by index: blockd holds the prompt
         await client.step(DirectoryOps(commits=[WCommit(1, table[:2], B[:8])]))
         grown = await client.step(DirectoryOps(grows=[WGrow(1, 16, False)]))
         table += grown.grows[0].new_block_ids
-        op, _ = client._commit_op(1, table[2:4], B[8:16])
+        op = client._commit_op(1, table[2:4], B[8:16])
         assert op.token_bytes == token_bytes(B[8:16])  # block 3 was decoded: its tokens go along
         await client.step(DirectoryOps(commits=[WCommit(1, table[2:4], B[8:16])], releases=[1]))
         again = await client.step(DirectoryOps(admits=[WAdmit(2, B, "", 0)]))
         assert again.admits[0].num_cached_tokens == 16
+    finally:
+        await client.close()
+
+
+async def test_the_worker_client_places_a_commit_after_the_admitted_hits(blockd):
+    """A sequence admitted with cached blocks commits from past them: the client finds
+    the run's place in the table (not by counting its own commits), so a block past the
+    prompt goes with its tokens and blockd accepts it (a regression: counting from 0
+    sent it without tokens, blockd refused, and the worker resynced)."""
+    from computed.directory_client import DirectoryClient, PoolSpec
+    from computed.directory_ops import AdmitOp as WAdmit
+    from computed.directory_ops import CommitOp as WCommit
+    from computed.directory_ops import DirectoryOps
+    from computed.directory_ops import GrowOp as WGrow
+
+    spec = PoolSpec(
+        num_blocks=16, block_size=4, model_id="m", model_revision="", dtype="", worker_address="w:1"
+    )
+    client = DirectoryClient(blockd.address, spec)
+    try:
+        await client.register()
+        table = (await client.step(DirectoryOps(admits=[WAdmit(1, B[:12], "", 0)]))).admits[0].block_ids
+        await client.step(DirectoryOps(commits=[WCommit(1, table, B[:12])], releases=[1]))
+        admitted = (await client.step(DirectoryOps(admits=[WAdmit(2, B[:14], "", 0)]))).admits[0]
+        assert admitted.num_cached_tokens == 12
+        table = (
+            admitted.block_ids
+            + (await client.step(DirectoryOps(grows=[WGrow(2, 16, False)]))).grows[0].new_block_ids
+        )
+        assert client._commit_op(2, table[3:4], B[12:16]).token_bytes == token_bytes(B[12:16])
+        await client.step(DirectoryOps(commits=[WCommit(2, table[3:4], B[12:16])], releases=[2]))
+        assert not client.needs_recovery
+        again = await client.step(DirectoryOps(admits=[WAdmit(3, B[:16], "", 0)]))
+        assert again.admits[0].num_cached_tokens == 16  # the block committed with its tokens hits
     finally:
         await client.close()

@@ -30,6 +30,8 @@ NUM_POOL_BLOCKS = 16
 class Ctx:
     """What a case needs to build its request: a freshly reset pool of our own on blockd."""
 
+    pool_token = ""  # the test pool's owner token (a live pool is reset only by its owner)
+
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
 
@@ -41,9 +43,11 @@ class Ctx:
                 block_size=BLOCK,
                 namespace=dpb.Namespace(model_id="bad-input"),
                 pool_id=TEST_POOL,
+                pool_token=Ctx.pool_token,
             ),
             timeout=10,
         )
+        Ctx.pool_token = reply.pool_token  # kept across cases: each builds a new Ctx
         return reply.pool_id, reply.epoch
 
     def admitted(self, sequence_id: int = 1) -> tuple[str, int, list[int]]:
