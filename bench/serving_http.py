@@ -1,0 +1,135 @@
+"""Serving through HTTP with a standard client: `vllm bench serve` against our stack
+(blockd + one computed + the gateway) and against vLLM's own OpenAI server, same model,
+same machine, one run, the sides alternating per workload.
+
+Workloads (128 requests, 32 in flight, streamed, 64 tokens out, --ignore-eos):
+shared: 4 prefixes of 1,024 tokens, a 16-token suffix each (vLLM's prefix_repetition);
+unrelated: 1,040 random tokens each (vLLM's random). vLLM runs in float32 (ours' CPU
+dtype), block size 32 (its CPU backend's least), every core bound as its CPU guide says.
+Neither side is told a temperature: each serves its own default (ours greedy, vLLM the
+checkpoint's generation config).
+
+    .venv/bin/python -m bench.serving_http [--num-prompts 128] [--out DIR]
+
+Needs the peer virtualenv (`make bench-peer` builds .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from clients.spawn import start_blockd, start_computed, start_gateway
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv-vllm"
+MODEL_DIR = REPO / "computed" / "default_model"
+MODEL = "default_model"
+WORKLOADS = {
+    "shared": [
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "4",
+        "--prefix-repetition-prefix-len", "1024", "--prefix-repetition-suffix-len", "16",
+        "--prefix-repetition-output-len", "64",
+    ],
+    "unrelated": ["--dataset-name", "random", "--random-input-len", "1040", "--random-output-len", "64"],
+}  # fmt: skip
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the result JSONs go (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="serving-http-"))
+    out.mkdir(parents=True, exist_ok=True)
+    blockd = start_blockd(out)
+    computed = start_computed(out, blockd.address, model=MODEL_DIR)
+    gateway = start_gateway(out, [computed.address], blockd=blockd.address)
+    vllm, vllm_url = _start_vllm(out)
+    rows = []
+    try:
+        for name, flags in WORKLOADS.items():
+            theirs = _bench(vllm_url, name, flags, out / f"vllm_{name}.json", args)
+            ours = _bench(f"http://{gateway.address}", name, flags, out / f"ours_{name}.json", args)
+            rows.append((name, ours, theirs))
+    finally:
+        vllm.terminate()
+        vllm.wait(60)
+        for daemon in (gateway, computed, blockd):
+            daemon.stop()
+    print(
+        "| workload | output tok/s ours / vLLM (ratio) | TTFT p50 ms ours / vLLM (ratio) | TPOT p50 ms ours / vLLM |"
+    )
+    print("|---|---|---|---|")
+    for name, ours, theirs in rows:
+        tput = ours["output_throughput"] / theirs["output_throughput"]
+        ttft = ours["median_ttft_ms"] / theirs["median_ttft_ms"]
+        print(
+            f"| {name} | {ours['output_throughput']:.0f} / {theirs['output_throughput']:.0f} ({tput:.2f}x) "
+            f"| {ours['median_ttft_ms']:.0f} / {theirs['median_ttft_ms']:.0f} ({ttft:.2f}x) "
+            f"| {ours['median_tpot_ms']:.1f} / {theirs['median_tpot_ms']:.1f} |"
+        )
+    print(f"results: {out}")
+
+
+def _bench(base_url: str, name: str, flags: list[str], result: Path, args: argparse.Namespace) -> dict:
+    command = [
+        str(VENV / "bin" / "python"), str(REPO / "bench" / "peer" / "vllm_cli.py"), "bench", "serve",
+        "--backend", "openai", "--base-url", base_url, "--model", MODEL, "--tokenizer", str(MODEL_DIR),
+        *flags, "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+        "--ignore-eos", "--seed", "0", "--save-result", "--result-filename", str(result),
+    ]  # fmt: skip
+    with open(result.with_suffix(".log"), "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=1800, cwd=REPO)
+    return json.loads(result.read_text())
+
+
+def _start_vllm(out: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE="4",
+    )
+    preload = [str(p) for p in (TCMALLOC, VENV / "lib" / "libiomp5.so") if p.is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    command = [
+        str(VENV / "bin" / "python"), str(REPO / "bench" / "peer" / "vllm_cli.py"), "serve", str(MODEL_DIR),
+        "--served-model-name", MODEL, "--dtype", "float32", "--block-size", "32", "--max-model-len", "8192",
+        "--max-num-seqs", "64", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    log = open(out / "vllm_serve.log", "w")  # noqa: SIM115 (the server's lifetime)
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"vLLM's server exited; see {out / 'vllm_serve.log'}")
+        try:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=2).read()
+            return proc, url
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    sys.exit("vLLM's server did not start within 900 s")
+
+
+if __name__ == "__main__":
+    main()
