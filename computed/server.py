@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from computed import kernels, triton_attention
+from computed import host_memory, kernels, triton_attention
 from computed.compute_thread import ComputeThread
 from computed.config import ComputedConfig
 from computed.directory_client import DirectoryClient, PoolSpec
@@ -321,8 +321,7 @@ def _host_tier(config: ComputedConfig, pool: KVPool) -> HostKV | None:
     if budget is None:
         if pool.device.type != "cuda":
             return None
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(2 * pool.num_bytes, available // 2)
+        budget = min(2 * pool.num_bytes, host_memory.available_bytes() // 2)  # a container's limit too
     if budget == 0:
         return None
     if budget < per_block:
