@@ -81,8 +81,15 @@ def test_the_default_policy_is_the_gated_one():
     assert harness().pool.leaves.policy.name == GatedPolicy.name
 
 
+def test_the_gate_starts_open():
+    policy = GatedPolicy()
+    assert policy.penalty == 0
+    assert policy.priority(_block(last_tick=10, seen=2)) < policy.priority(_block(last_tick=11))
+
+
 def test_a_block_on_probation_goes_before_older_admitted_blocks():
     policy = GatedPolicy()
+    policy.gate = 8.0  # horizons
     assert policy.penalty > 0
     admitted_old = _block(last_tick=10, seen=2)
     hit_old = _block(last_tick=10, hits=1)
@@ -122,6 +129,7 @@ def test_the_gate_opens_where_probation_victims_come_back():
 
 def test_under_pressure_one_offs_go_before_a_reused_prefix_released_earlier():
     h = harness(num_blocks=6, block_size=2)  # three 2-block chains fit
+    h.pool.leaves.policy.gate = GatedPolicy.MAX_PENALTY  # closed, as one-off traffic leaves it
     reused = [1, 1, 2, 2]
     h.run(1, reused)
     h.run(2, [9, 9, 8, 8])
@@ -155,6 +163,7 @@ def _prompt(tokens: list[int]):
 
 def test_a_miss_on_a_block_the_gate_never_admitted_says_so():
     h = harness(num_blocks=4, block_size=2)
+    h.pool.leaves.policy.gate = GatedPolicy.MAX_PENALTY
     h.run(1, [1, 1, 2, 2])  # used once: on probation
     h.run(2, [3, 3, 4, 4])
     h.run(3, [5, 5, 6, 6])  # evicts [1 1 2 2], never admitted
