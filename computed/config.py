@@ -62,7 +62,8 @@ class ComputedConfig:
     forward_on: str = "thread"
     # Plain decode steps replayed as CUDA graphs at a ladder of batch sizes
     # (computed/decode_graphs.py). None: on CUDA only; on CPU the same static buffers run
-    # eagerly, 1.42x an eager 1-row step (`python -m bench.decode_graphs`), so off there.
+    # eagerly, 1.39x an eager 1-row step and 1.44x 20 rows padded to 32 (`python -m
+    # bench.decode_graphs`, 1 thread), so off there.
     cuda_graphs: bool | None = None
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
