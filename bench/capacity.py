@@ -21,7 +21,13 @@ HEADLINES = {
             "batched_admissions_per_s",
             "gRPC admissions/s, 4,096-token prompts, 8 workers",
             "/s",
-            Goal(">=", 2000.0),
+            Goal(">=", 5000.0),
+        ),
+        (
+            "packed_over_varint",
+            "packed token_bytes + commit by index ÷ varint token_ids + commit with tokens (admissions/s)",
+            "x",
+            None,
         ),
         ("step_p50_ms", "gRPC Step p50 latency, closed loop (at the maximum)", "ms", None),
         ("step_p99_ms", "gRPC Step p99 latency, closed loop (at the maximum)", "ms", None),
@@ -42,6 +48,19 @@ HEADLINES = {
         ("batched_over_ceiling", "blockd ÷ echo server (admissions/s)", "x", None),
         ("batched_over_naive", "batched Step ÷ one call per block (admissions/s)", "x", None),
     ],
+    "bench.blockd_fleet": [
+        (
+            "one_open_step_p99_ms",
+            "fleet, 64 GPU workers at a GPU's rate, one blockd: Step p99",
+            "ms",
+            Goal("<=", 5.0),
+        ),
+        ("one_open_steps_per_s", "fleet, one blockd: Steps/s served (offered 4,480)", "/s", None),
+        ("sharded_open_step_p99_ms", "fleet, 2 shards: Step p99", "ms", Goal("<=", 5.0)),
+        ("one_closed_steps_per_s", "fleet, closed loop, one blockd: Steps/s", "/s", None),
+        ("sharded_closed_steps_per_s", "fleet, closed loop, 2 shards: Steps/s", "/s", None),
+        ("sharded_over_one_closed_steps", "fleet maximum, 2 shards ÷ one process", "x", Goal(">=", 1.8)),
+    ],
     "bench.blockd_core": [
         (
             "warm_admit_release_us",
@@ -50,6 +69,7 @@ HEADLINES = {
             Goal("<=", 100.0),
         ),
         ("cold_admit_release_us", "core admit+release, 4,096 tokens all miss (median)", "µs", None),
+        ("varint_over_packed", "parse + convert one admission's Steps: varint ÷ packed", "x", None),
     ],
 }
 

@@ -1,0 +1,249 @@
+"""blockd as a fleet's control plane: 64 simulated GPU workers, one process against shards.
+
+Each simulated worker registers a pool and sends Steps as a GPU worker running
+nano-vllm's workload does: `STEPS_PER_S` Steps a second carrying `ADMITS_PER_S`
+admissions a second between them (prompts of 128..1,024 tokens, the first 256 shared
+by the 8 apps of the fleet, sent packed), the commits of each admission's prefill by
+block index in the next Step, a grow whenever a decoding sequence starts a block and
+the commit of each block it fills (with its tokens), and the release after 64..256
+generated tokens. The clients run in `CLIENT_PROCESSES` processes (one Python process
+cannot write 4,480 Steps a second); workers are assigned to shards round robin.
+
+Two loads, each against one blockd and against `NUM_SHARDS` shards (one process each):
+- open loop at the GPU rate: the Step latency a worker sees (p50, p99) from its
+  scheduled time (no coordinated omission), and the Steps and admissions served;
+- closed loop (each worker's next Step as soon as its last one answered): the maximum
+  Steps a second, whose ratio sharded / one process is the scaling figure.
+
+On a machine whose cores the client processes share with blockd (2 cores here), the
+figures measure the machine as much as blockd: read them beside `cpu_count`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.blockd_grpc import start_blockd
+from kvcache.v1 import directory_pb2 as pb
+from kvcache.v1 import directory_pb2_grpc as pb_grpc
+from kvcache_contract.block_hash import token_bytes
+
+NUM_WORKERS = 64
+NUM_SHARDS = 2
+CLIENT_PROCESSES = 2
+STEPS_PER_S = 70.0  # a GPU worker's Steps (nano-vllm's workload at the rate peers reach)
+ADMITS_PER_S = 20.0
+BLOCK_SIZE = 16
+POOL_BLOCKS = 8192
+SHARED_PREFIX = 256
+NUM_APPS = 8
+STEP_METHOD = "/kvcache.v1.BlockDirectoryService/Step"
+
+
+class Sequence:
+    __slots__ = ("block_ids", "num_committed", "num_left", "num_prompt", "num_tokens", "prompt")
+
+    def __init__(self, block_ids: list[int], prompt: bytes, num_cached: int, num_out: int) -> None:
+        self.block_ids = block_ids
+        self.prompt = prompt  # packed, as admitted
+        self.num_prompt = num_prompt = len(prompt) // 4
+        self.num_tokens = num_prompt
+        self.num_left = num_out
+        self.num_committed = num_cached // BLOCK_SIZE
+
+
+class SimulatedWorker:
+    """One GPU worker's Steps (see the module docstring); `next_step` writes one."""
+
+    def __init__(self, index: int, pool: pb.RegisterPoolResponse) -> None:
+        self.pool = pool
+        self.rng = random.Random(index)
+        self.apps = [
+            [random.Random(app).randrange(128_000) for _ in range(SHARED_PREFIX)] for app in range(NUM_APPS)
+        ]
+        self.running: dict[int, Sequence] = {}
+        self.admitting: dict[int, tuple[bytes, int]] = {}  # sequence id -> (packed prompt, output tokens)
+        self.next_id = 0
+        self.admit_credit = 0.0
+        self.num_admitted = 0
+
+    def next_step(self) -> pb.StepRequest:
+        request = pb.StepRequest(pool_id=self.pool.pool_id, epoch=self.pool.epoch)
+        for sequence_id, seq in list(self.running.items()):
+            full = seq.num_tokens // BLOCK_SIZE
+            if full > seq.num_committed:  # prefill by index, a decoded block with its tokens
+                ids = seq.block_ids[seq.num_committed : full]
+                if full * BLOCK_SIZE <= seq.num_prompt:
+                    request.commits.add(sequence_id=sequence_id, block_ids=ids)
+                else:
+                    decoded = token_bytes(
+                        [sequence_id % 50_000 + t for t in range(seq.num_prompt, full * BLOCK_SIZE)]
+                    )
+                    data = (seq.prompt + decoded)[seq.num_committed * BLOCK_SIZE * 4 :]
+                    request.commits.add(sequence_id=sequence_id, block_ids=ids, token_bytes=data)
+                seq.num_committed = full
+            if seq.num_left == 0:
+                request.releases.add(sequence_id=sequence_id)
+                del self.running[sequence_id]
+                continue
+            seq.num_tokens += 1  # this step decodes one token
+            seq.num_left -= 1
+            if seq.num_tokens > len(seq.block_ids) * BLOCK_SIZE:
+                request.grows.add(sequence_id=sequence_id, num_tokens=seq.num_tokens)
+        self.admit_credit += ADMITS_PER_S / STEPS_PER_S
+        while self.admit_credit >= 1.0:
+            self.admit_credit -= 1.0
+            sequence_id, self.next_id = self.next_id, self.next_id + 1
+            num_prompt = self.rng.randrange(128, 1025)
+            prompt = self.apps[self.rng.randrange(NUM_APPS)][: min(SHARED_PREFIX, num_prompt)]
+            prompt += [200_000 + self.rng.randrange(1 << 20) for _ in range(num_prompt - len(prompt))]
+            packed = token_bytes(prompt)
+            request.admits.add(sequence_id=sequence_id, token_bytes=packed)
+            self.admitting[sequence_id] = (packed, self.rng.randrange(64, 257))
+        return request
+
+    def take(self, request: pb.StepRequest, reply: pb.StepResponse) -> None:
+        for grow in reply.grows:
+            seq = self.running.get(grow.sequence_id)
+            if seq is not None:
+                seq.block_ids.extend(grow.new_block_ids)
+                if not grow.grown:  # no block now: this token waits for the next step
+                    seq.num_tokens -= 1
+                    seq.num_left += 1
+        for admit in reply.admits:
+            prompt, num_out = self.admitting.pop(admit.sequence_id)
+            if admit.admitted:
+                self.running[admit.sequence_id] = Sequence(
+                    list(admit.block_ids), prompt, admit.num_cached_tokens, num_out
+                )
+                self.num_admitted += 1
+
+
+async def _worker(address: str, index: int, stop_at: float, period: float | None, latencies: list) -> tuple:
+    async with grpc.aio.insecure_channel(address) as channel:
+        pool = await pb_grpc.BlockDirectoryServiceStub(channel).RegisterPool(
+            pb.RegisterPoolRequest(
+                num_blocks=POOL_BLOCKS,
+                block_size=BLOCK_SIZE,
+                namespace=pb.Namespace(model_id="fleet"),
+                worker_address=f"gpu-{index}:1",
+            )
+        )
+        step = channel.unary_unary(
+            STEP_METHOD,
+            request_serializer=pb.StepRequest.SerializeToString,
+            response_deserializer=pb.StepResponse.FromString,
+        )
+        worker = SimulatedWorker(index, pool)
+        num_steps = 0
+        scheduled = time.perf_counter() + (random.Random(index).random() * period if period else 0.0)
+        while time.monotonic() < stop_at:
+            request = worker.next_step()
+            start = time.perf_counter()
+            if period is not None:
+                if start < scheduled:
+                    await asyncio.sleep(scheduled - start)
+                    start = time.perf_counter()
+                else:
+                    start = scheduled  # late because the last Step was: that wait counts
+                scheduled += period
+            reply = await step(request)
+            latencies.append(time.perf_counter() - start)
+            worker.take(request, reply)
+            num_steps += 1
+        return num_steps, worker.num_admitted
+
+
+def _client_process(
+    addresses: list[str], indexes: list[int], seconds: float, period: float | None, out
+) -> None:
+    async def run() -> tuple:
+        latencies: list[float] = []
+        start = time.monotonic()
+        counts = await asyncio.gather(
+            *(_worker(addresses[i % len(addresses)], i, start + seconds, period, latencies) for i in indexes)
+        )
+        return sum(c[0] for c in counts), sum(c[1] for c in counts), latencies, time.monotonic() - start
+
+    out.put(asyncio.run(run()))
+
+
+def _load(addresses: list[str], seconds: float, period: float | None) -> dict:
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    groups = [list(range(p, NUM_WORKERS, CLIENT_PROCESSES)) for p in range(CLIENT_PROCESSES)]
+    procs = [
+        context.Process(target=_client_process, args=(addresses, g, seconds, period, out)) for g in groups
+    ]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=seconds + 120) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    steps = sum(r[0] for r in results)
+    admitted = sum(r[1] for r in results)
+    latencies = [x for r in results for x in r[2]]
+    wall = max(r[3] for r in results)
+    quantiles = statistics.quantiles(latencies, n=100)
+    return {
+        "steps_per_s": round(steps / wall, 1),
+        "admissions_per_s": round(admitted / wall, 1),
+        "step_p50_ms": round(quantiles[49] * 1e3, 2),
+        "step_p99_ms": round(quantiles[98] * 1e3, 2),
+    }
+
+
+def main(quick: bool = False) -> dict:
+    seconds = 4.0 if quick else 12.0
+    figures: dict = {"workers": NUM_WORKERS, "shards": NUM_SHARDS, "cpu_count": os.cpu_count()}
+    offered = NUM_WORKERS * STEPS_PER_S
+    figures["offered_steps_per_s"] = offered
+    figures["offered_admissions_per_s"] = NUM_WORKERS * ADMITS_PER_S
+    with tempfile.TemporaryDirectory() as workdir:
+        setups = {"one": 1, "sharded": NUM_SHARDS}
+        for name, count in setups.items():
+            for i in range(count):
+                (Path(workdir) / f"{name}{i}").mkdir()
+            daemons = [start_blockd(Path(workdir) / f"{name}{i}") for i in range(count)]
+            addresses = [address for _, address in daemons]
+            try:
+                for mode, period in (("open", 1.0 / STEPS_PER_S), ("closed", None)):
+                    for key, value in _load(addresses, seconds, period).items():
+                        figures[f"{name}_{mode}_{key}"] = value
+            finally:
+                for proc, _ in daemons:
+                    proc.terminate()
+                    proc.wait(30)
+    figures["sharded_over_one_closed_steps"] = round(
+        figures["sharded_closed_steps_per_s"] / figures["one_closed_steps_per_s"], 2
+    )
+    print(
+        f"blockd fleet: {NUM_WORKERS} simulated GPU workers ({STEPS_PER_S:.0f} Steps/s, {ADMITS_PER_S:.0f} "
+        f"admissions/s each: {offered:.0f} Steps/s offered), {seconds:.0f} s per run, {os.cpu_count()} CPUs"
+    )
+    for name in setups:
+        print(
+            f"  {name}: open loop served {figures[f'{name}_open_steps_per_s']} Steps/s "
+            f"({figures[f'{name}_open_admissions_per_s']} admissions/s), Step p50 "
+            f"{figures[f'{name}_open_step_p50_ms']} ms, p99 {figures[f'{name}_open_step_p99_ms']} ms; "
+            f"closed loop {figures[f'{name}_closed_steps_per_s']} Steps/s"
+        )
+    print(f"  sharded / one (closed loop Steps/s) = {figures['sharded_over_one_closed_steps']}x")
+    return figures
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 s per run instead of 12 s")
+    main(parser.parse_args().quick)
