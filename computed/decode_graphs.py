@@ -226,6 +226,10 @@ class DecodeGraphs:
         the largest step's allocations serve every smaller one). Each bucket runs once
         eagerly on a side stream first (kernel compiles, lazy allocations, the rotary
         table), as torch's capture recipe says."""
+        # The rotary table at its full length first: an eager step that grew it later would
+        # free the table the graphs read (they hold its address, not a reference).
+        rotary = self.model.rotary
+        rotary.cos_sin(self.positions[:1], rotary.max_positions - 1, self.hidden.dtype)
         memory_pool = None
         side = torch.cuda.Stream(self.device)
         with torch.inference_mode():

@@ -236,3 +236,17 @@ def _counting(run, answers: list):
         return answer
 
     return counted
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_capture_grows_the_rotary_table_first(tiny_models: TinyModels) -> None:
+    """The graphs read the rotary table by address: it must already be at its full length,
+    or a later eager step with a longer context would replace (and free) it."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    model = load_model(tiny_models.get("llama"), cuda, torch.float32).model
+    c = model.config
+    pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, cuda)
+    DecodeGraphs(model, pool, BLOCK, max_num_seqs=2, max_context=16, capture=True)
+    cos, _ = model.rotary._table(cuda, 1)
+    assert cos.shape[0] == model.rotary.max_positions
