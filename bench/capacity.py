@@ -61,6 +61,15 @@ HEADLINES = {
         ("sharded_closed_steps_per_s", "fleet, closed loop, 2 shards: Steps/s", "/s", None),
         ("sharded_over_one_closed_steps", "fleet maximum, 2 shards ÷ one process", "x", Goal(">=", 1.8)),
     ],
+    "bench.blockd_gc": [
+        ("tuned_step_p99_ms", "open loop Step p99, gc tuned (thresholds + freeze after start)", "ms", None),
+        (
+            "default_step_p99_ms",
+            "open loop Step p99, CPython's gc defaults (same rate, in turns)",
+            "ms",
+            None,
+        ),
+    ],
     "bench.blockd_core": [
         (
             "warm_admit_release_us",
