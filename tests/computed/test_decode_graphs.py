@@ -250,3 +250,34 @@ def test_capture_grows_the_rotary_table_first(tiny_models: TinyModels) -> None:
     DecodeGraphs(model, pool, BLOCK, max_num_seqs=2, max_context=16, capture=True)
     cos, _ = model.rotary._table(cuda, 1)
     assert cos.shape[0] == model.rotary.max_positions
+
+
+def test_engine_streams_the_same_tokens_through_static_decode_steps(tiny_models: TinyModels) -> None:
+    """Concurrent requests through the engine (decode bursts, `run_steps`), one engine's
+    decode steps served by the static buffers: the same tokens as an eager engine's."""
+    import asyncio
+
+    from tests.computed.test_engine import build, generate, settle, token_ids
+
+    prompts = [[11 + 7 * i % 300 for i in range(n)] for n in (5, 9, 14)]
+
+    async def run(static: bool) -> tuple[list[list[int]], int]:
+        engine, _ = build(tiny_models, decode_steps=4)
+        runner, served = engine.runner, []
+        if static:
+            runner.decode_graphs = DecodeGraphs(
+                runner.model, runner.pool, runner.block_size, 4, 64, capture=False
+            )
+            runner.decode_graphs.run = _counting(runner.decode_graphs.run, served)
+        await engine.start()
+        try:
+            outs = await asyncio.gather(*(generate(engine, p, max_tokens=12) for p in prompts))
+            await settle(engine)
+        finally:
+            await engine.stop(drain_seconds=1)
+        return [token_ids(o) for o in outs], sum(h is not None for h in served)
+
+    eager, _ = asyncio.run(run(static=False))
+    static, num_served = asyncio.run(run(static=True))
+    assert static == eager
+    assert num_served >= 10, f"only {num_served} decode steps ran from the static buffers"
