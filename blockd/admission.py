@@ -8,29 +8,38 @@ or a key used twice with a gap longer than the pool is never recognised (measure
 bench.eviction_quality's conversation trace: a memory of 1x the pool gains almost
 nothing; the gate's gain needs several times the pool).
 
-`KeyMemory` is that memory, compact: two generations of a Bloom filter (k = 4 bits
-per key, `BITS_PER_KEY` bits per key of a generation). Keys are added to the young
-generation; when it holds `capacity / 2` keys the old one is dropped and the young one
-becomes old, so a key is remembered for at least `capacity / 2` and at most
-`capacity` later insertions (a sliding window without per-key state). A query answers
-"maybe seen" with a false-positive rate of about 1-2% per generation (a false positive
-only admits a block early); never a false negative inside the window.
+`KeyMemory` is that memory, compact: two generations of a byte-blocked Bloom filter
+(each key sets 3 of the 8 bits of one byte, `BYTES_PER_KEY` bytes per key of a
+generation). Keys are added to the young generation; when it holds `capacity / 2` keys
+the old one is dropped and the young one becomes old, so a key is remembered for at
+least `capacity / 2` and at most `capacity` later insertions (a sliding window without
+per-key state). A query answers "maybe seen" with ~0.6% false positives per full
+generation (a false positive only admits a block early); never a false negative inside
+the window.
 
-Memory: 2 x `BITS_PER_KEY` x capacity / 2 bits = `BITS_PER_KEY` / 8 bytes per tracked
-key (1.25 B at 10 bits), against ~200 B per entry of the ghost table's OrderedDict.
-`nbytes` reports it; tests/blockd/test_admission.py measures the false-positive rate.
+Memory: 2 x `BYTES_PER_KEY` x capacity / 2 = `BYTES_PER_KEY` bytes per tracked key
+(3 B), against ~160 B per entry of the ghost table's OrderedDict. `nbytes` reports it;
+tests/blockd/test_admission.py measures the false-positive rate.
 
-The probes come straight from the block hash (xxh3-128: uniform bits), four 32-bit
-slices, so a query costs one int conversion and four bit tests. Pure: no I/O.
+One byte per key, not k scattered bits: a query is one int conversion, one byte and
+one pattern lookup per generation. It runs once per committed block that no ghost
+explains, and only once the pool has evicted (`GhostTable.__bool__`): a pool without
+pressure never pays it. The probes come straight from the block hash (xxh3-128:
+uniform bits). Pure: no I/O.
 """
 
 from __future__ import annotations
 
+from itertools import combinations
+
 from blockd.types import BlockHash
 
-BITS_PER_KEY = 10  # per key of a generation: ~1.2% false positives with 4 probes
-NUM_PROBES = 4
-_SLICE = 32  # bits of the hash per probe (128-bit hashes: 4 probes)
+BYTES_PER_KEY = 3  # per key of a generation: ~0.6% false positives when it is full
+_BITS_SET = 3  # of the 8 bits of a key's byte
+# A key's bit pattern, by 6 bits of its hash: the 56 patterns of 3 bits in a byte.
+_PATTERNS = [sum(1 << b for b in bits) for bits in combinations(range(8), _BITS_SET)]
+_PATTERNS = [_PATTERNS[v % len(_PATTERNS)] for v in range(64)]
+_BYTE_BITS = 48  # the byte index comes from the hash's low 48 bits; the pattern from the next 6
 
 
 class KeyMemory:
@@ -40,9 +49,9 @@ class KeyMemory:
         assert capacity >= 0, "capacity must be >= 0"
         self.capacity = capacity
         self._per_generation = max(1, capacity // 2)
-        self._num_bits = max(64, self._per_generation * BITS_PER_KEY)
-        self._young = bytearray((self._num_bits + 7) // 8)
-        self._old = bytearray(len(self._young))
+        self._num_bytes = max(8, self._per_generation * BYTES_PER_KEY)
+        self._young = bytearray(self._num_bytes)
+        self._old = bytearray(self._num_bytes)
         self._num_young = 0
         self.num_added = 0  # keys added since creation (or the last clear)
 
@@ -61,32 +70,26 @@ class KeyMemory:
             return
         if self._num_young >= self._per_generation:
             self._old = self._young
-            self._young = bytearray(len(self._old))
+            self._young = bytearray(self._num_bytes)
             self._num_young = 0
-        young = self._young
-        for bit in self._probes(block_hash):
-            young[bit >> 3] |= 1 << (bit & 7)
+        x = int.from_bytes(block_hash, "little")
+        self._young[(x & _LOW) % self._num_bytes] |= _PATTERNS[(x >> _BYTE_BITS) & 63]
         self._num_young += 1
         self.num_added += 1
 
     def __contains__(self, block_hash: object) -> bool:
         if not self.num_added:
             return False
-        probes = self._probes(block_hash)  # type: ignore[arg-type]
-        return _all_set(self._young, probes) or _all_set(self._old, probes)
+        x = int.from_bytes(block_hash, "little")  # type: ignore[arg-type]
+        i = (x & _LOW) % self._num_bytes
+        pattern = _PATTERNS[(x >> _BYTE_BITS) & 63]
+        return self._young[i] & pattern == pattern or self._old[i] & pattern == pattern
 
     def clear(self) -> None:
-        self._young = bytearray(len(self._young))
-        self._old = bytearray(len(self._old))
+        self._young = bytearray(self._num_bytes)
+        self._old = bytearray(self._num_bytes)
         self._num_young = 0
         self.num_added = 0
 
-    def _probes(self, block_hash: BlockHash) -> list[int]:
-        x = int.from_bytes(block_hash[:16], "little")
-        n = self._num_bits
-        mask = (1 << _SLICE) - 1
-        return [((x >> (_SLICE * i)) & mask) % n for i in range(NUM_PROBES)]
 
-
-def _all_set(bits: bytearray, probes: list[int]) -> bool:
-    return all(bits[p >> 3] & (1 << (p & 7)) for p in probes)
+_LOW = (1 << _BYTE_BITS) - 1

@@ -225,7 +225,7 @@ class GatedPolicy:
     their victims never return and the gate closes (up to `MAX_PENALTY` horizons: they
     go first); where everything is reused, nothing is on probation long, and where
     probation victims come back soon (chats at larger pools) the gate opens (`penalty`
-    0: the inner policy alone). Measured: bench.eviction_quality.
+    0: the inner policy alone). It starts open. Measured: bench.eviction_quality.
 
     O(1) per priority and per event, like the inner policy; heap entries keep the
     penalty they were pushed with (comparable: both are times)."""
@@ -245,16 +245,32 @@ class GatedPolicy:
         # 2%: 0.79 -> 0.86 of the optimum).
         self.inner = AdaptivePolicy(horizon_from_admitted=True)
         self.gate = self.INITIAL_GATE  # horizons
+        self._leader = self  # whose gate and horizon set the penalty (`follow`)
         self.victims = [1.0, 1.0]  # decayed evictions: on probation, admitted
 
     @property
     def penalty(self) -> float:
         """Release ticks a block on probation is aged by."""
-        return self.gate * max(self.inner.horizon, self.inner.MIN_HORIZON)
+        return self._leader.gate * max(self._leader.gate_horizon, self.inner.MIN_HORIZON)
+
+    @property
+    def gate_horizon(self) -> float:
+        return self.inner.horizon
+
+    def follow(self, leader: GatedPolicy) -> None:
+        """Take the gate's strictness from `leader` (the device pool's policy, which the
+        ghost table teaches) instead of learning it: a host tier decides with the same
+        gate. Its own victims still teach its inner policy."""
+        self._leader = leader
+
+    def admits(self, block: Block) -> bool:
+        """Whether the gate would keep `block` now: seen before, or the gate is open. For
+        write rules outside the pool's eviction (a shared-tier write through)."""
+        return block.num_seen + block.num_hits >= 2 or self._leader.gate == 0.0
 
     def priority(self, block: Block) -> Priority:
         value, tick, uses = self.inner.priority(block)
-        if uses < 2:
+        if uses < 2 and self._leader.gate:
             value -= self.penalty
         return (value, tick, uses)
 
@@ -307,6 +323,21 @@ class SeenTwice:
 
 
 POLICY_NAMES = sorted(POLICIES) + sorted(name + SEEN_TWICE for name in POLICIES)
+
+
+def make_host_policy(device: EvictionPolicy) -> EvictionPolicy:
+    """The policy of a pool's host tier: its own instance of the device pool's policy (a
+    stateful policy learns from its own tier's evictions), whose admission gate, if it
+    has one, follows the device's (the device's ghost table teaches the gate)."""
+    host = make_policy(device.name)
+    if isinstance(host, GatedPolicy) and isinstance(device, GatedPolicy):
+        host.follow(device)
+    return host
+
+
+def admits(policy: EvictionPolicy, block: Block) -> bool:
+    """Whether `policy` would keep `block` (True for every policy without a gate)."""
+    return policy.admits(block) if isinstance(policy, GatedPolicy) else True
 
 
 def make_policy(name: str) -> EvictionPolicy:

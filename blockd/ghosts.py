@@ -128,7 +128,9 @@ class GhostTable:
         return len(self._ghosts)
 
     def __bool__(self) -> bool:
-        return self.capacity > 0
+        """Whether a recall can answer anything (the commit path skips it otherwise, so
+        a pool without pressure pays nothing for the memory)."""
+        return bool(self._ghosts) or self.keys.num_added > 0
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._ghosts

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
-from blockd.admission import BITS_PER_KEY, KeyMemory
+from blockd.admission import BYTES_PER_KEY, KeyMemory
 from blockd.block import Block
 from blockd.eviction import DEFAULT_POLICY, AdaptivePolicy, GatedPolicy
 from blockd.ghosts import KEYS_PER_GHOST, GhostTable
@@ -46,8 +44,8 @@ def test_key_memory_false_positives_and_bytes_per_key_are_bounded():
         memory.add(_hash(rng))
     false_positives = sum(_hash(rng) in memory for _ in range(20_000)) / 20_000
     assert false_positives < 0.04, false_positives  # ~1.2% per generation, two generations
-    assert memory.bytes_per_key == pytest.approx(BITS_PER_KEY / 8, rel=0.01)
-    assert memory.nbytes <= 2 * 100_000  # against ~200 B per ghost
+    assert memory.bytes_per_key == BYTES_PER_KEY
+    assert memory.nbytes <= 4 * 100_000  # against ~160 B per ghost
 
 
 def test_an_empty_key_memory_knows_nothing_and_costs_nothing_per_query():
@@ -176,3 +174,17 @@ def test_a_miss_on_a_block_the_gate_never_admitted_says_so():
     h.run(8, [1, 1, 2, 2])
     ghost = h.pool.last_miss.ghost
     assert ghost is not None and ghost.num_uses >= 2 and not ghost.not_admitted
+
+
+def test_a_host_tier_decides_with_the_device_pools_gate():
+    from blockd.eviction import admits, make_host_policy, make_policy
+
+    device = make_policy(DEFAULT_POLICY)
+    host = make_host_policy(device)
+    assert host is not device and host.name == device.name
+    one_off, reused = _block(last_tick=11), _block(last_tick=10, seen=2)
+    assert admits(device, one_off) and admits(host, one_off)  # open: everything is kept
+    device.gate = GatedPolicy.MAX_PENALTY  # the device's ghost returns closed it
+    assert host.priority(one_off) < host.priority(reused)
+    assert not admits(host, one_off) and admits(host, reused)
+    assert admits(make_policy("lru"), one_off)  # no gate: no refusal
