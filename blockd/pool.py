@@ -235,14 +235,15 @@ class BlockPool:
             not_loaded = True
         shared_hits: list[SharedRecord] = []
         num_full = num_tokens // self.block_size
-        # The shared walk hashes the prompt again from its first block: only when the
-        # faster tiers leave full blocks uncached.
+        # The shared walk goes on from the faster tiers' hits (their hashes are known:
+        # one digest per block per admission), only when they leave full blocks uncached.
         if (
             self.shared is not None
             and cache_policy is not CachePolicy.NONE
             and len(hits) + len(host_hits) < num_full
         ):
-            chain = self.shared.match(prompt, self.block_size)
+            known = [block.block_hash for block in hits] + [block.block_hash for block in host_hits]
+            chain = self.shared.match(prompt, self.block_size, known)
             self.shared.touch(chain)
             shared_hits = chain[len(hits) + len(host_hits) :]
             if shared_hits and not self.pays_to_fetch:

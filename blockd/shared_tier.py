@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from blockd.hashing import BlockHasher, block_width
@@ -134,13 +135,25 @@ class SharedIndex:
 
     # ------------------------------------------------------------ queries
 
-    def match(self, prompt: Prompt, block_size: int) -> list[SharedRecord]:
+    def match(self, prompt: Prompt, block_size: int, known: Seq[BlockHash] = ()) -> list[SharedRecord]:
         """Verified resident records of the prompt's leading full blocks, from block 0:
-        each one's parent is the previous hit and its identity equals the block's."""
+        each one's parent is the previous hit and its identity equals the block's.
+        `known`: the hashes of the prompt's leading blocks the admission's walk already
+        computed (its device and host hits): they are looked up, not hashed again, so
+        an admission hashes each block once whatever tiers it walks."""
         if not self.index:
             return []
         payloads = prompt.payloads(block_size)
-        candidates: list[SharedRecord] = self._hasher.walk(self.seed, payloads, self.index.get)
+        lookup = self.index.get
+        candidates: list[SharedRecord] = []
+        for block_hash in known:
+            record = lookup(block_hash)
+            if record is None:
+                break
+            candidates.append(record)
+        if len(candidates) == len(known):  # the chain may go on past the known blocks
+            parent = known[-1] if known else self.seed
+            candidates += self._hasher.walk(parent, payloads[len(known) :], lookup)
         width = block_width(block_size)
         hits: list[SharedRecord] = []
         parent: SharedRecord | None = None

@@ -4,9 +4,12 @@ missing values, salts, the admission rule, the cost rule, rebuild and flush."""
 
 from __future__ import annotations
 
+import xxhash
+
 from blockd.events import EventKind
+from blockd.hashing import BlockHasher
 from blockd.shared_tier import SharedRecord
-from blockd.types import AdmitOp, CommitOp, HostSpec, Tier
+from blockd.types import AdmitOp, CommitOp, HostSpec, ReleaseOp, Tier
 from tests.blockd.helpers import NAMESPACE, Harness, harness
 
 BS = 2
@@ -179,3 +182,26 @@ def test_the_index_forgets_its_least_recently_used_chains_past_its_bound():
     assert b.directory.lookup(other, pool_id=b.pool_id)[0].num_shared_cached_tokens == 4
     removed = [e for e in a.directory.events.read(0) if e.kind is EventKind.REMOVED and e.tier is Tier.SHARED]
     assert sum(len(e.block_hashes) for e in removed) == shared.num_forgotten
+
+
+def test_an_admission_hashes_the_device_hits_once_across_tiers():
+    """The shared tier's walk goes on from the device hits' known hashes instead of
+    hashing the prompt again from block 0 (issue 43: one hash walk per admission)."""
+    calls = []
+
+    def digest(data: bytes) -> bytes:
+        calls.append(data)
+        return xxhash.xxh3_128_digest(data)
+
+    a = harness(num_blocks=16, block_size=BS, host=SHARED, hasher=BlockHasher(digest))
+    reg = a.directory.register_pool(16, BS, NAMESPACE, "worker-1:50052", host=SHARED)
+    b = Harness(a.directory, a.clock, reg.pool_id, reg.epoch, BS)
+    a.step(shared_written=[s.block_hash for s in stored_on(a, 1, A)])  # all 3 blocks in the shared tier
+    table = b.admit(1, A[:BS]).block_ids  # fetched from the shared tier, then committed:
+    b.step(commits=[CommitOp(1, table, A[:BS])], releases=[ReleaseOp(1)])  # b holds block 0
+    calls.clear()
+    admitted = b.directory.step(b.pool_id, b.epoch, admits=[AdmitOp(2, A + [9])]).admits[0]  # no checks
+    assert admitted.num_cached_tokens == 3 * BS and len(admitted.shared_loads) == 2
+    # device: a probe of block 0, then its walk (block 0 hit, block 1 missed); shared:
+    # blocks 1 and 2 only (block 0's hash is known). Hashing from block 0 again made it 6.
+    assert len(calls) == 5, len(calls)
