@@ -135,6 +135,12 @@ def test_steps_outside_the_ladder_stay_eager(tiny_models: TinyModels) -> None:
     assert graphs.bucket_for([SpanInput([1, 2, 3, 4], 10, 1, write_kv=False)]) is None  # a cached prompt
     assert graphs.run([0], [SpanInput([1, 2, 3, 4], 8, 2)]) is None
     assert not torch.any(pool.kv), "a step the static path does not serve writes nothing"
+    with pytest.raises(ValueError, match="cannot hold"):
+        graphs.run([0], [SpanInput([1, 2], 8, 1)])  # the 9th token needs a third block
+    with pytest.raises(ValueError, match="negative block id"):
+        graphs.run([0], [SpanInput([1, -2, 3], 8, 1)])
+    with pytest.raises(ValueError, match="same pool slot"):
+        graphs.run([0, 0], [SpanInput([1, 2, 3], 8, 1), SpanInput([4, 5, 3], 8, 1)])
 
 
 def test_padding_rows_write_only_what_row_zero_writes(tiny_models: TinyModels) -> None:
