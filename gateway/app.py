@@ -100,6 +100,9 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
         scope = tenants.scope(tenant)
         reply = Reply.new(endpoint, req.model)
         request_id = req.request_id or request_id or reply.id
+        # The workers echo the id in every message and refuse one over 256 characters: a
+        # longer one is echoed to the client only.
+        worker_id = request_id if len(request_id) <= MAX_WORKER_REQUEST_ID else reply.id
         many = len(req.prompts) * req.n > 1
         generations = [
             Generation(
@@ -109,7 +112,7 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
                     prompt,
                     cache_salt=scope.cache_salt,
                     public_prefix_tokens=scope.public_prefix_tokens,
-                    request_id=f"{request_id}-{i * req.n + j}" if many else request_id,
+                    request_id=f"{worker_id}-{i * req.n + j}" if many else worker_id,
                 ),
                 req.sampling_for(j),
             )
@@ -199,6 +202,7 @@ _ENDPOINTS = {path: kind for kind, path in _PATHS.items()}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Names the worker(s) that served a generation (comma-separated when n or prompts > 1).
 WORKER_HEADER = "x-kvcache-worker"
+MAX_WORKER_REQUEST_ID = 240  # computed's limit is 256, with room for a "-choice" suffix
 
 
 def _workers(generations: Sequence[Generation]) -> str:

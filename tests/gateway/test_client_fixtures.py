@@ -220,3 +220,13 @@ def test_a_refused_request_echoes_its_request_id(gw: GatewayStack) -> None:
     )
     assert status == 400 and headers["x-request-id"] == "r-2"
     assert json.loads(text)["error"]["param"] == "use_beam_search"
+
+
+def test_a_long_request_id_is_echoed_but_not_sent_to_the_worker(gw: GatewayStack) -> None:
+    long_id = "r" * 1000
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    status, headers, text = http(
+        gw.gateway.address, "POST", "/v1/completions", body, {**AUTH, "x-request-id": long_id}
+    )
+    assert status == 200, text
+    assert headers["x-request-id"] == long_id
