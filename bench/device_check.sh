@@ -42,9 +42,9 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/computed 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 
 # 2. One decode step under torch.profiler, eager then with CUDA graphs (the before/after).
-for graphs in 0 1; do
-  COMPUTED_CUDA_GRAPHS=$graphs timeout 120 python3 -m bench.gpu_step --device cuda --rows 256 --context 1024 \
-    --json "$OUT/step_graphs$graphs.json" 2>&1 | tee "$OUT/step_graphs$graphs.txt" | tail -14
+for graphs in no-graphs graphs; do
+  timeout 120 python3 -m bench.gpu_step --device cuda --rows 256 --context 1024 --$graphs \
+    --json "$OUT/step_$graphs.json" 2>&1 | tee "$OUT/step_$graphs.txt" | tail -14
 done
 
 # 3. The GPU section: nano-vllm's workload, the shared-prefix workload, a step profile.

@@ -12,8 +12,8 @@ run/), fills a pool with `rows` sequences of `context` tokens each, and profiles
   its kernels too, so compare eager and graph runs by wall and busy share);
 - the top operators by self time.
 
-On a CPU it profiles the same step (operators and their CPU time), which checks the
-wiring; the device figures are what issue 42 asks of a GPU run (`bench/device_check.sh`).
+On a CPU it profiles the same step (operators and their CPU time, summed over the
+intra-op threads, so busy can exceed the wall), which checks the wiring; the device figures are what issue 42 asks of a GPU run (`bench/device_check.sh`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ BLOCK = 16
 @dataclass(frozen=True)
 class StepProfile:
     device: str
+    graphs: bool  # served from the static decode buffers (captured graphs on CUDA)
     rows: int
     context: int
     wall_ms: float  # per step
@@ -46,9 +47,17 @@ class StepProfile:
 
 
 def profile_decode_step(
-    model_dir: Path, device: str, dtype: torch.dtype, rows: int, context: int, steps: int = 5
+    model_dir: Path,
+    device: str,
+    dtype: torch.dtype,
+    rows: int,
+    context: int,
+    steps: int = 5,
+    graphs: bool | None = None,
 ) -> StepProfile:
-    """Profile `steps` decode steps of `rows` sequences over `context` cached tokens each."""
+    """Profile `steps` decode steps of `rows` sequences over `context` cached tokens each;
+    `graphs`: run them from the static decode buffers (CUDA graphs on CUDA; None: on CUDA
+    only, computed's default)."""
     from computed.attention import SpanInput
     from computed.kv_pool import KVPool
     from computed.model import load_model
@@ -60,7 +69,10 @@ def profile_decode_step(
     model, c = loaded.model, loaded.config
     per = -(-(context + steps + 8) // BLOCK)
     pool = KVPool(c.num_layers, rows * per, BLOCK, c.num_kv_heads, c.head_dim, dtype, dev)
-    runner = ModelRunner(model, pool, BLOCK, dev)
+    graphs = dev.type == "cuda" if graphs is None else graphs
+    runner = ModelRunner(
+        model, pool, BLOCK, dev, decode_graphs=graphs, max_num_seqs=rows, max_context=context + steps + 8
+    )
     tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
 
     def decode(at: int) -> ForwardInput:  # every row's token at position `at`
@@ -99,6 +111,7 @@ def profile_decode_step(
         top_ms = [(e.key, e.self_cpu_time_total / 1000 / steps) for e in top]
     return StepProfile(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        graphs=runner.decode_graphs is not None,
         rows=rows,
         context=context,
         wall_ms=1000 * sorted(walls)[len(walls) // 2],
@@ -117,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode from the static buffers (CUDA graphs on CUDA); default: on CUDA only",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the profile here")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -128,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         if not (model_dir / "config.json").exists():
             model_dir.mkdir(parents=True, exist_ok=True)
             build_checkpoint(model_dir, QWEN3_0_6B, str(dtype).split(".")[-1])
-    p = profile_decode_step(model_dir, args.device, dtype, args.rows, args.context, args.steps)
+    p = profile_decode_step(model_dir, args.device, dtype, args.rows, args.context, args.steps, args.graphs)
     print(
-        f"{p.device}: {p.rows} rows x {p.context} keys: wall {p.wall_ms:.2f} ms/step, busy {p.busy_ms:.2f} ms "
+        f"{p.device}{' (graphs)' if p.graphs else ''}: {p.rows} rows x {p.context} keys: wall {p.wall_ms:.2f} ms/step, busy {p.busy_ms:.2f} ms "
         f"({p.busy_share:.0%}), {p.launches:.0f} launches/step"
     )
     for name, ms in p.top:

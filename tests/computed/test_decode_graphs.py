@@ -232,7 +232,8 @@ def test_model_runner_serves_decode_steps_from_static_buffers(tiny_models: TinyM
         assert got[0] == got[1] and torch.equal(pools[0].kv, pools[1].kv), f"{num_rows} rows"
         tokens = got[0] + tokens[num_rows:]
         lens = [n + 1 if i < num_rows else n for i, n in enumerate(lens)]
-    assert [h is not None for h in served] == [True, True, False, True]  # asked for decode steps only
+    # Reached for the decode steps it serves only (5 rows, past the top bucket: planned eager).
+    assert [h is not None for h in served] == [True, True, True]
 
 
 def _counting(run, answers: list):
