@@ -83,7 +83,7 @@ def load_model(
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(
-            f"{path}: the weights lack {len(missing)} tensors config.json needs, e.g. {missing[:3]}; "
+            f"{path}: the weights file lacks {len(missing)} tensors config.json needs, e.g. {missing[:3]}; "
             f"download the checkpoint again (all its *.safetensors files)"
         )
     model.load_state_dict(state, strict=False, assign=True)
