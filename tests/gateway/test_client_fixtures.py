@@ -230,3 +230,20 @@ def test_a_long_request_id_is_echoed_but_not_sent_to_the_worker(gw: GatewayStack
     )
     assert status == 200, text
     assert headers["x-request-id"] == long_id
+
+
+def test_streamed_echo_leads_with_the_prompt_and_its_logprobs(gw: GatewayStack) -> None:
+    text = unique_prompt("stream-echo")
+    body = {"model": MODEL, "prompt": text, "max_tokens": 3, "logprobs": 0, "echo": True, "stream": True}
+    status, _, raw = http(gw.gateway.address, "POST", "/v1/completions", body, AUTH)
+    assert status == 200, raw
+    choices = [e["choices"][0] for e in _events(raw)]
+    assert choices[0]["text"].startswith(text)
+    tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    scored = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+    whole = json.loads(
+        http(gw.gateway.address, "POST", "/v1/completions", {**body, "stream": False}, AUTH)[2]
+    )
+    assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+    assert scored[0] is None and len(tokens) == whole["usage"]["prompt_tokens"] + 3
+    assert "".join(c["text"] for c in choices) == whole["choices"][0]["text"]
