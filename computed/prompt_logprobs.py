@@ -50,6 +50,10 @@ class PromptRecompute:
     num_top: int
 
 
+# Cache-served positions recomputed per forward at most (the default step budget's half).
+MAX_RECOMPUTE_TOKENS = 1024
+
+
 class LogprobStore:
     def __init__(self) -> None:
         self._entries: dict[SequenceId, dict[int, TokenLogprobs]] = {}
@@ -73,8 +77,10 @@ class LogprobStore:
                 last = seq.num_prompt_tokens - 1  # positions [0, last) score tokens 1 .. last
                 done = self._scored_to.get(seq.sequence_id, 0)
                 ids = seq.token_ids
-                if done < last and chunk.start > done:
-                    end = min(chunk.start, last)
+                while done < last and chunk.start > done:
+                    # In pieces: a piece's activations and logits (positions x vocab) are
+                    # what one forward holds, whatever the cached prefix's length.
+                    end = min(chunk.start, last, done + MAX_RECOMPUTE_TOKENS)
                     recompute_span = SpanInput(list(span.block_table), done, end - done, False)
                     recomputes.append(
                         PromptRecompute(

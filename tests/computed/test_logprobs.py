@@ -174,3 +174,30 @@ def test_bad_processing_values_are_refused(stack):
         with pytest.raises(grpc.RpcError) as err:
             stack.generate(p, 8, **bad)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+
+
+def test_a_long_cached_prefix_is_recomputed_in_pieces(monkeypatch):
+    """The store splits a hit's recompute (here in pieces of 8): the numbers do not move."""
+    from computed import prompt_logprobs
+    from computed.attention import SpanInput
+    from computed.prompt_logprobs import LogprobStore
+
+    class Chunk:
+        def __init__(self, seq, start, end):
+            self.seq, self.start, self.end = seq, start, end
+
+    class Params:
+        prompt_logprobs, logprobs = 0, None
+
+    class Seq:
+        sequence_id, params, num_prompt_tokens, token_ids = 1, Params(), 30, list(range(30))
+
+    monkeypatch.setattr(prompt_logprobs, "MAX_RECOMPUTE_TOKENS", 8)
+    rows, recomputes = LogprobStore().plan([Chunk(Seq(), 28, 30)], [SpanInput([0] * 8, 28, 2, True)])
+    assert [(r.span.num_computed_tokens, r.span.num_new_tokens) for r in recomputes] == [
+        (0, 8),
+        (8, 8),
+        (16, 8),
+        (24, 4),
+    ]
+    assert [r.targets[0] for r in recomputes] == [1, 9, 17, 25] and rows[0].first_position == 28
