@@ -3,8 +3,8 @@
 Every failure of blockd (down, restarted, lease lapsed, stale epoch) surfaces as
 `DirectoryUnavailable`; the engine then calls `recover()`, which re-registers the
 same pool id (blockd resets it) and re-declares the live sequences with `Resync`.
-Prompts travel as packed `token_bytes`, and a commit of blocks inside the prompt this
-client admitted sends no tokens (commit by block index: blockd holds them).
+With `compact_steps`, prompts travel as packed `token_bytes` and a commit of blocks
+inside the prompt this client admitted sends no tokens (commit by block index).
 Re-registering presents the pool_token blockd answered at the first registration: a
 blockd with a worker token resets a live pool only for its owner. Every call carries
 the worker token, when there is one, as 'authorization: Bearer <token>'.
@@ -80,8 +80,14 @@ class DirectoryClient:
         credentials: grpc.ChannelCredentials | None = None,
         call_timeout: float = 10.0,
         worker_token: str | None = None,
+        compact_steps: bool = False,
     ) -> None:
         self.address = address
+        # Prompts as packed token_bytes, commits inside the prompt by block index. Off by
+        # default: with it on, tests/reliability/test_faults.py::
+        # test_client_cancels_while_blockd_is_down failed 5 of 7 runs here (0 of 5 off),
+        # its cause not found yet (issue 43's report).
+        self.compact_steps = compact_steps
         self.spec = spec
         self.call_timeout = call_timeout
         self._metadata = (("authorization", f"Bearer {worker_token}"),) if worker_token else None
@@ -142,13 +148,19 @@ class DirectoryClient:
         request = pb.StepRequest(
             pool_id=lease.pool_id,
             epoch=lease.epoch,
-            commits=[self._commit_op(c.sequence_id, c.block_ids, c.token_ids) for c in ops.commits],
+            commits=[
+                self._commit_op(c.sequence_id, c.block_ids, c.token_ids)
+                if self.compact_steps
+                else pb.CommitOp(sequence_id=c.sequence_id, block_ids=c.block_ids, token_ids=c.token_ids)
+                for c in ops.commits
+            ],
             releases=[pb.ReleaseOp(sequence_id=s) for s in ops.releases],
             grows=[pb.GrowOp(sequence_id=g.sequence_id, num_tokens=g.num_tokens) for g in ops.grows],
             admits=[
                 pb.AdmitOp(
                     sequence_id=a.sequence_id,
-                    token_bytes=token_bytes(a.token_ids),
+                    token_ids=() if self.compact_steps else a.token_ids,
+                    token_bytes=token_bytes(a.token_ids) if self.compact_steps else b"",
                     cache_salt=a.cache_salt,
                     public_prefix_tokens=a.public_prefix_tokens,
                     cache_policy=CACHE_POLICIES[a.cache_policy],
@@ -166,20 +178,8 @@ class DirectoryClient:
             self.needs_recovery = True  # the Directory contract: recover before the next step
             self._held.clear()  # recovery resyncs: from then on commits send their tokens
             raise
-        # blockd applied the whole Step: commits, releases, grows, then admits.
-        for sequence_id in ops.releases:
-            self._held.pop(sequence_id, None)
-        for g in reply.grows:
-            held = self._held.get(g.sequence_id)
-            if held is not None:
-                positions = held[1]
-                for block_id in g.new_block_ids:
-                    positions[block_id] = len(positions)
-        results = {a.sequence_id: a for a in reply.admits if a.admitted}
-        for a in ops.admits:
-            result = results.get(a.sequence_id)
-            if result is not None:
-                self._held[a.sequence_id] = (len(a.token_ids), {b: i for i, b in enumerate(result.block_ids)})
+        if self.compact_steps:
+            self._track(ops, reply)
         return DirectoryResult(
             grows=[GrowResult(g.sequence_id, g.grown, list(g.new_block_ids)) for g in reply.grows],
             admits=[
@@ -198,6 +198,23 @@ class DirectoryClient:
             demotions=[(c.block_id, c.host_block_id) for c in reply.demotions],
             shared_stores=[_stored_block(b) for b in reply.shared_stores],
         )
+
+    def _track(self, ops: DirectoryOps, reply: pb.StepResponse) -> None:
+        """What blockd now holds of each sequence's tokens (for `_commit_op`)."""
+        # blockd applied the whole Step: commits, releases, grows, then admits.
+        for sequence_id in ops.releases:
+            self._held.pop(sequence_id, None)
+        for g in reply.grows:
+            held = self._held.get(g.sequence_id)
+            if held is not None:
+                positions = held[1]
+                for block_id in g.new_block_ids:
+                    positions[block_id] = len(positions)
+        results = {a.sequence_id: a for a in reply.admits if a.admitted}
+        for a in ops.admits:
+            result = results.get(a.sequence_id)
+            if result is not None:
+                self._held[a.sequence_id] = (len(a.token_ids), {b: i for i, b in enumerate(result.block_ids)})
 
     def _commit_op(self, sequence_id: int, block_ids: list[int], token_ids: list[int]) -> pb.CommitOp:
         """The commit, without its tokens when blockd holds them already: the run lies

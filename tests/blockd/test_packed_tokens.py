@@ -97,7 +97,7 @@ async def test_the_worker_client_sends_packed_prompts_and_commits_by_index(block
     spec = PoolSpec(
         num_blocks=16, block_size=4, model_id="m", model_revision="", dtype="", worker_address="w:1"
     )
-    client = DirectoryClient(blockd.address, spec)
+    client = DirectoryClient(blockd.address, spec, compact_steps=True)
     try:
         await client.register()
         reply = await client.step(DirectoryOps(admits=[WAdmit(1, B[:12], "", 0)]))
@@ -130,7 +130,7 @@ async def test_the_worker_client_places_a_commit_after_the_admitted_hits(blockd)
     spec = PoolSpec(
         num_blocks=16, block_size=4, model_id="m", model_revision="", dtype="", worker_address="w:1"
     )
-    client = DirectoryClient(blockd.address, spec)
+    client = DirectoryClient(blockd.address, spec, compact_steps=True)
     try:
         await client.register()
         table = (await client.step(DirectoryOps(admits=[WAdmit(1, B[:12], "", 0)]))).admits[0].block_ids
