@@ -1,19 +1,23 @@
 """6. Eviction quality: hit tokens of blockd's policies against LRU and Belady's optimum.
 
-Three seeded traces, each replayed one request at a time under memory pressure
-(pools of 2-25% of the trace's distinct blocks) through the real directory core
-(bench.directory_replay) with each policy, through a vLLM-style block pool
+Six seeded traces, each replayed one request at a time under memory pressure (pools
+of 2-25% of the trace's distinct blocks) through the real directory core
+(bench.directory_replay) with each shipped policy, through a vLLM-style block pool
 (bench.vllm_policy), and through Belady's offline optimum on the prefix tree
 (bench.belady):
 
 - zipf: prompt families with Zipf popularity + unique suffixes (bench.zipf_trace);
-- chat: interleaved multi-turn conversations (bench.retention_traces), where the
+- chat: 24 interleaved multi-turn conversations (bench.retention_traces), where the
   next use of a block does not depend on how often it was used: recency wins;
-- one-off: 70% unique requests among hot Zipf families (bench.retention_traces).
+- one-off: 70% unique requests among hot Zipf families (bench.retention_traces);
+- conversation: production-like chat, many users, a conversation's next turn after
+  far more traffic than a small pool holds, about half the blocks used once;
+- agent: agentic tool calls over a shared tool-definition prompt, a heavy one-off
+  share and long reuse gaps (the tools take a while);
+- few-shot: a fixed few-shot set where every block recurs.
 
-Every figure is hit tokens ÷ the optimum's (or ÷ lru's) on the same trace and pool,
-measured side by side in this run. `+seen2` is a policy under the seen-twice
-admission rule (blockd.eviction.SeenTwice: blocks used once go first).
+Every figure is hit tokens ÷ the optimum's (or ÷ lru's, or ÷ the best other shipped
+policy's) on the same trace and pool, measured side by side in this run.
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ from bench.directory_replay import replay_directory
 from bench.report import BenchResult, Figure, Goal
 from bench.retention_traces import (
     ConversationSpec,
+    FewShotSpec,
     OneOffSpec,
+    agent_spec,
+    conversation_spec,
     distinct_blocks,
     make_conversation_trace,
+    make_few_shot_trace,
     make_one_off_trace,
+    make_session_trace,
 )
 from bench.vllm_policy import replay_vllm
 from bench.zipf_trace import Trace, TraceSpec, make_trace
@@ -39,9 +48,14 @@ TITLE = "6. Eviction quality"
 
 BLOCK_SIZE = 16
 GOAL_OF_OPTIMUM = 0.6  # the default, worst trace and pool (issue 14)
-GOAL_OF_LRU = 0.98  # the default never more than 2% below lru
+GOAL_OF_LRU = 0.98  # the default never more than 2% below lru (issues 14, 44)
+GOAL_OF_BEST_OTHER = 0.98  # ... nor below the best other shipped policy (issue 44)
+GOAL_CONVERSATION = 1.5  # the default ÷ lru on the conversation trace, pool 2% (issue 44)
 POOL_SHARES = (0.02, 0.05, 0.10, 0.25)
-POLICIES = (DEFAULT_POLICY, f"{DEFAULT_POLICY}+seen2", "lru", "lru+seen2", "lfu", "lfuda")
+# Shipped policies measured (`+seen2` of the ungated one as well would add a column,
+# not an idea: lru+seen2 stands for the seen-twice rule).
+OTHERS = ("adaptive-ungated", "lru", "lru+seen2", "lfu", "lfuda")
+POLICIES = (DEFAULT_POLICY, *OTHERS)
 READ_ONLY = "read-only one-offs"  # the default, one-offs sent with cache_policy READ_ONLY
 VLLM = "vLLM-style"
 
@@ -56,6 +70,10 @@ class Cell:
     def of(self, name: str, base: str) -> float:
         return self.results[name].hit_tokens / max(1, self.results[base].hit_tokens)
 
+    @property
+    def best_other(self) -> str:
+        return max(OTHERS, key=lambda name: self.results[name].hit_tokens)
+
 
 def traces(quick: bool) -> dict[str, Trace]:
     n = 600 if quick else 4_000
@@ -63,6 +81,9 @@ def traces(quick: bool) -> dict[str, Trace]:
         "zipf": make_trace(TraceSpec(num_requests=n, seed=0)),
         "chat": make_conversation_trace(ConversationSpec(num_requests=n, seed=0)),
         "one-off": make_one_off_trace(OneOffSpec(num_requests=n, seed=0)),
+        "conversation": make_session_trace(conversation_spec(n)),
+        "agent": make_session_trace(agent_spec(n)),
+        "few-shot": make_few_shot_trace(FewShotSpec(num_requests=n, seed=0)),
     }
 
 
@@ -97,24 +118,37 @@ def run(ctx: BenchContext) -> BenchResult:
     def where(cell: Cell) -> str:
         return f"{cell.trace}, pool {cell.share:.0%}"
 
+    worst_other = min(cells, key=lambda c: c.of(default, c.best_other))
+    smallest = min(c.share for c in cells)
+    conversation = next(c for c in cells if c.trace == "conversation" and c.share == smallest)
     figures = [
-        Figure(
-            f"default ({default}) ÷ optimum, worst ({where(worst_opt)})",
-            round(worst_opt.of(default, "opt"), 3),
-            "",
-            Goal(">=", GOAL_OF_OPTIMUM),
-        ),
         Figure(
             f"default ({default}) ÷ lru, worst ({where(worst_lru)})",
             round(worst_lru.of(default, "lru"), 3),
             "",
             Goal(">=", GOAL_OF_LRU),
         ),
+        Figure(
+            f"default ({default}) ÷ lru, conversation, pool {conversation.share:.0%}",
+            round(conversation.of(default, "lru"), 3),
+            "",
+            Goal(">=", GOAL_CONVERSATION),
+        ),
+        Figure(
+            f"default ({default}) ÷ best other shipped policy, worst "
+            f"({where(worst_other)}: {worst_other.best_other})",
+            round(worst_other.of(default, worst_other.best_other), 3),
+            "",
+            Goal(">=", GOAL_OF_BEST_OTHER),
+        ),
+        Figure(
+            f"default ({default}) ÷ optimum, worst ({where(worst_opt)})",
+            round(worst_opt.of(default, "opt"), 3),
+            "",
+            Goal(">=", GOAL_OF_OPTIMUM),
+        ),
         Figure(f"default ({default}) ÷ lru, best ({where(best_lru)})", round(best_lru.of(default, "lru"), 3)),
     ]
-    for other in ("lfu", "lfuda", "lru+seen2"):
-        worst = min(cells, key=lambda c, o=other: c.of(o, "lru"))
-        figures.append(Figure(f"{other} ÷ lru, worst ({where(worst)})", round(worst.of(other, "lru"), 3)))
     columns = [*POLICIES, VLLM, READ_ONLY]
 
     def table(base: str) -> str:
@@ -126,6 +160,21 @@ def run(ctx: BenchContext) -> BenchResult:
                 f"| {c.trace} | {c.pool:,} ({c.share:.0%}) | {c.results['opt'].hit_rate:.3f} | {' | '.join(ratios)} |"
             )
         return "\n".join(lines)
+
+    summary = [
+        (
+            "| trace | pool (share of distinct blocks) | optimum hit rate | default hit rate | default ÷ optimum "
+            "| default ÷ lru | best other shipped | default ÷ best other |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        other = c.best_other
+        summary.append(
+            f"| {c.trace} | {c.pool:,} ({c.share:.0%}) | {c.results['opt'].hit_rate:.3f} "
+            f"| {c.results[default].hit_rate:.3f} | {c.of(default, 'opt'):.3f} | {c.of(default, 'lru'):.3f} "
+            f"| {other} | {c.of(default, other):.3f} |"
+        )
 
     described = []
     for name, trace in traces(ctx.quick).items():
@@ -139,16 +188,23 @@ def run(ctx: BenchContext) -> BenchResult:
     details = (
         f"Traces (seed 0, block size {BLOCK_SIZE}): {'; '.join(described)}. One request at a time: admit, "
         "commit every full block, release. Hit rates count full-block hit tokens ÷ prompt tokens.\n\n"
-        "Hit tokens ÷ Belady's optimum (same trace, same pool):\n\n"
+        "The default against the optimum, lru and the best other shipped policy (same trace, same pool):\n\n"
+        + "\n".join(summary)
+        + "\n\nHit tokens ÷ Belady's optimum (same trace, same pool):\n\n"
         + table("opt")
         + "\n\nHit tokens ÷ lru's (same trace, same pool):\n\n"
         + table("lru")
         + "\n\n"
-        f"`{default}` (the default) is LRU plus a frequency bonus that each use class earns only when "
-        "the ghost table shows its evicted blocks coming back more often than one-use blocks "
-        "(blockd.eviction.AdaptivePolicy); `+seen2`: blocks used once are evicted before any block used "
-        f"twice; `{READ_ONLY}`: the default with the trace's one-off requests sent with cache_policy "
-        "READ_ONLY (their new blocks are never indexed), as a client that knows they are one-offs would."
+        f"`{default}` (the default) is `adaptive-ungated` behind an admission gate "
+        "(blockd.eviction.GatedPolicy): a block whose key the pool has not seen before (its ghost table "
+        "and a key memory of 8x the pool, blockd.admission) is on probation and goes before admitted "
+        "blocks released up to a penalty earlier; the penalty adapts from ghost returns, closing where "
+        "probation victims never come back and opening where they do. `adaptive-ungated` is LRU plus a "
+        "frequency bonus that each use class earns only when the ghost table shows its evicted blocks "
+        "coming back more often than one-use blocks; `lru+seen2`: blocks used once are evicted before any "
+        f"block used twice; `{READ_ONLY}`: the default with the trace's one-off requests sent with "
+        "cache_policy READ_ONLY (their new blocks are never indexed), as a client that knows they are "
+        "one-offs would."
     )
     return BenchResult("eviction", TITLE, figures, details, [plot])
 
@@ -160,15 +216,17 @@ def _plot(cells: list[Cell], path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(c.trace for c in cells))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    cols = 3
+    rows_n = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.8 * rows_n), squeeze=False)
+    for ax, name in zip(axes.flat, names):
         rows = [c for c in cells if c.trace == name]
         shares = [c.share * 100 for c in rows]
         for key, label in (
             ("opt", "Belady optimum"),
             (DEFAULT_POLICY, f"{DEFAULT_POLICY} (default)"),
+            ("adaptive-ungated", "adaptive-ungated"),
             ("lru", "lru"),
-            ("lfu", "lfu"),
             ("lfuda", "lfuda"),
         ):
             ax.plot(shares, [c.results[key].hit_rate for c in rows], "o-", label=label)
