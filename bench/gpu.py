@@ -72,7 +72,7 @@ def measure_cuda(ctx: BenchContext, num_seqs: int) -> BenchResult:
 
     model_dir = build_checkpoint(ctx.scratch("gpu") / "qwen3", QWEN3_0_6B, "bfloat16")
     prompts, outputs = workload(num_seqs, 1024)
-    args = _cuda_args(num_seqs, 1024)
+    args = _computed_args("cuda", "bfloat16", num_seqs, 1024)
     with Stack(ctx.scratch("gpu"), *args, model=model_dir, threads=ctx.threads) as stack:
         run_sync(stack.computed_address, [prompts[0][:32]], 4, 1)  # warm-up (graphs captured at start)
         wall = _run_ours(stack.computed_address, prompts, outputs)
@@ -98,12 +98,13 @@ def measure_cuda(ctx: BenchContext, num_seqs: int) -> BenchResult:
     return BenchResult("gpu", TITLE, figures, details)
 
 
-def _cuda_args(num_seqs: int, max_len: int) -> tuple[str, ...]:
+def _computed_args(device: str, dtype: str, num_seqs: int, max_len: int) -> tuple[str, ...]:
+    """computed's flags for `num_seqs` sequences of up to `max_len` tokens in and out."""
     return (
         "--device",
-        "cuda",
+        device,
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-num-seqs",
         str(num_seqs),
         "--max-num-batched-tokens",
@@ -180,18 +181,7 @@ def measure(ctx: BenchContext, device: str, overrides: dict, num_seqs: int, max_
     model_dir = build_checkpoint(ctx.scratch("gpu") / "qwen3", overrides, dtype)
     prompts, outputs = workload(num_seqs, max_len)
     num_tokens = sum(len(p) + o for p, o in zip(prompts, outputs))
-    args = (
-        "--device",
-        device,
-        "--dtype",
-        dtype,
-        "--max-num-seqs",
-        str(num_seqs),
-        "--max-num-batched-tokens",
-        "16384",
-        "--max-model-len",
-        str(2 * max_len + 16),
-    )
+    args = _computed_args(device, dtype, num_seqs, max_len)
     if device == "cpu":
         args += ("--num-blocks", str(num_tokens // 16 + 2 * num_seqs + 64))
     with Stack(ctx.scratch("gpu"), *args, model=model_dir, threads=ctx.threads) as stack:
