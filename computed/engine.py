@@ -14,6 +14,7 @@ import collections
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -501,7 +502,7 @@ class Engine:
         batch = self.runner.prepare(chunks)
         budgets = self.scheduler.decode_budgets(chunks)
         started = time.monotonic()
-        burst = None if budgets is None else _BurstSteps(self, chunks, asyncio.get_running_loop())
+        burst = None if budgets is None else _BurstSteps(chunks, self._take_step, asyncio.get_running_loop())
         try:
             if burst is not None:
                 self._interrupt.clear()
@@ -604,9 +605,14 @@ class _BurstSteps:
     only later).
     """
 
-    def __init__(self, engine: Engine, chunks: list[ScheduledChunk], loop: asyncio.AbstractEventLoop) -> None:
-        self._engine = engine
+    def __init__(
+        self,
+        chunks: list[ScheduledChunk],
+        take_step: Callable[[list[ScheduledChunk], list[int | None]], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self._chunks = chunks
+        self._take_step = take_step
         self._loop = loop
         self._queued: collections.deque[tuple[list[int], list[int]]] = collections.deque()
         self._num_taken = 0
@@ -625,4 +631,4 @@ class _BurstSteps:
                 chunks = [
                     c._replace(start=c.start + j, end=c.end + j, write_from=c.write_from + j) for c in chunks
                 ]
-            self._engine._take_step(chunks, list(tokens))
+            self._take_step(chunks, list(tokens))
