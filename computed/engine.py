@@ -510,10 +510,8 @@ class Engine:
                 await self._compute.run(
                     self.runner.run_steps, batch, budgets, stop_ids, self._interrupt, burst.deliver
                 )
-                burst.take()  # what an inline forward delivered, or what is still queued
             else:
                 sampled = await self._compute.run(self.runner.run, batch)
-                self._take_step(chunks, sampled)
         except Exception:  # fail these requests, keep serving the others
             log.exception("forward_failed", sequences=[c.seq.sequence_id for c in chunks])
             for chunk in chunks:
@@ -526,6 +524,10 @@ class Engine:
             return
         finally:
             self.stats.forward_seconds += time.monotonic() - started
+        if burst is not None:
+            burst.take()  # what an inline forward delivered, or what is still queued
+        else:
+            self._take_step(chunks, sampled)
 
     def _take_step(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> None:
         """One forward step's results, in order: counters, the scheduler's bookkeeping
