@@ -52,6 +52,7 @@ class MissReason(enum.Enum):
     OTHER_NAMESPACE = "other_namespace"  # cached in a pool of another model/revision/dtype/adapter
     NOT_LOADED = "not_loaded"  # only in a lower tier this admission did not load (tiers)
     BYPASSED = "bypassed"  # the request's cache_policy was NONE: nothing was looked up
+    NOT_ADMITTED = "not_admitted"  # cached once, on probation (key not seen before), evicted
 
 
 # Hashes the key memory (blockd.admission) tracks per ghost: with the default 2 ghosts
@@ -77,8 +78,7 @@ class Ghost:
     @property
     def not_admitted(self) -> bool:
         """Evicted by the admission gate's policy while on probation (used once, its key
-        not seen before): the block was cached but never admitted. A MissReason of its own
-        once the contract has MISS_REASON_NOT_ADMITTED; until then it counts as EVICTED."""
+        not seen before): the block was cached but never admitted (MISS_REASON_NOT_ADMITTED)."""
         return self.cause == GATED_POLICY and self.num_uses < 2
 
     @property
@@ -87,6 +87,8 @@ class Ghost:
             return MissReason.FLUSHED
         if self.cause == NOT_STORED:
             return MissReason.NOT_STORED
+        if self.not_admitted:
+            return MissReason.NOT_ADMITTED
         return MissReason.EVICTED
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
-from blockd.eviction import EvictableLeaves, EvictionPolicy, make_policy
+from blockd.eviction import EvictableLeaves, EvictionPolicy, make_host_policy
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
 from blockd.hashing import BlockHasher, block_payloads, block_width, salt_tag, split_blocks
 from blockd.host_tier import HostCounters, HostTier
@@ -122,7 +122,7 @@ class BlockPool:
         self._tick = 0  # logical clock for recency
         self.host_spec = host_spec
         # its own policy instance: a stateful policy (adaptive, lfuda) learns from device evictions only
-        host_policy = make_policy(policy.name)
+        host_policy = make_host_policy(policy)
         self.host = (
             HostTier(host_spec, block_size, host_policy, counters.host) if host_spec.num_blocks else None
         )

@@ -37,6 +37,7 @@ MISS_REASONS = {
     "evicted": "cached once, evicted",
     "flushed": "cached once, dropped by a flush",
     "not_stored": "computed before, but that request's cache policy (read_only / none) did not store it",
+    "not_admitted": "cached once, never admitted (its key was not seen before), evicted before a second use",
     "other_salt": "cached, but under another cache salt (or none): tenants never share blocks",
     "other_namespace": "cached in a pool of another model, revision, dtype or adapter",
     "not_loaded": "only in a lower tier, which this admission did not load",

@@ -37,6 +37,7 @@ class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
     MISS_REASON_NOT_LOADED: _ClassVar[MissReason]
     MISS_REASON_BYPASSED: _ClassVar[MissReason]
+    MISS_REASON_NOT_ADMITTED: _ClassVar[MissReason]
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -58,6 +59,7 @@ MISS_REASON_OTHER_SALT: MissReason
 MISS_REASON_OTHER_NAMESPACE: MissReason
 MISS_REASON_NOT_LOADED: MissReason
 MISS_REASON_BYPASSED: MissReason
+MISS_REASON_NOT_ADMITTED: MissReason
 
 class Namespace(_message.Message):
     __slots__ = ("model_id", "model_revision", "dtype", "adapter_id")

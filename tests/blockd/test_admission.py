@@ -8,7 +8,7 @@ import random
 from blockd.admission import BYTES_PER_KEY, KeyMemory
 from blockd.block import Block
 from blockd.eviction import DEFAULT_POLICY, AdaptivePolicy, GatedPolicy
-from blockd.ghosts import KEYS_PER_GHOST, GhostTable
+from blockd.ghosts import KEYS_PER_GHOST, GhostTable, MissReason
 from tests.blockd.helpers import harness
 
 
@@ -168,12 +168,14 @@ def test_a_miss_on_a_block_the_gate_never_admitted_says_so():
     h.run(4, [1, 1, 2, 2])
     miss = h.pool.last_miss
     assert miss.ghost is not None and miss.ghost.not_admitted
+    assert miss.reason is MissReason.NOT_ADMITTED  # the reason stats, metrics and `kvctl why` give
     h.run(5, [1, 1, 2, 2])  # a hit: admitted
     h.run(6, [3, 3, 4, 4])  # seen before (evicted by run 4): admitted, evicts [5 5 6 6]
     h.run(7, [5, 5, 6, 6])  # seen before: admitted, evicts the least recent admitted chain
     h.run(8, [1, 1, 2, 2])
     ghost = h.pool.last_miss.ghost
     assert ghost is not None and ghost.num_uses >= 2 and not ghost.not_admitted
+    assert h.pool.last_miss.reason is MissReason.EVICTED
 
 
 def test_a_host_tier_decides_with_the_device_pools_gate():
