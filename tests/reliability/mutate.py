@@ -79,6 +79,9 @@ def _mutate_some_field(message: Message, rng: random.Random, depth: int) -> None
     field = rng.choice(fields)
     name = field.name
     is_repeated = field.is_repeated
+    if field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+        _mutate_map(getattr(message, name), field.message_type, rng, depth)
+        return
     if field.type == FD.TYPE_MESSAGE:
         if is_repeated:
             items = getattr(message, name)
@@ -190,3 +193,19 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
+
+
+def _mutate_map(entries, entry_type, rng: random.Random, depth: int) -> None:
+    """A map field (e.g. logit_bias): cleared, flooded, or one entry set to hostile values."""
+    key_field, value_field = entry_type.fields_by_name["key"], entry_type.fields_by_name["value"]
+    roll = rng.random()
+    if roll < 0.2:
+        entries.clear()
+        return
+    for _ in range(rng.choice([1, 1, 1, 1000, 50_000]) if roll < 0.5 else 1):
+        key = _scalar(key_field, rng)
+        if value_field.type == FD.TYPE_MESSAGE:
+            if depth < 3:
+                _mutate_some_field(entries[key], rng, depth + 1)
+        else:
+            entries[key] = _scalar(value_field, rng)

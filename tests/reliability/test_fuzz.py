@@ -55,6 +55,7 @@ class WorkerModel:
     next_id: int = 1
     # sequence id -> [token ids, block ids, committed block count]
     live: dict[int, list] = field(default_factory=dict)
+    pool_token: str = ""  # the pool's proof of ownership, from the last registration
 
     def register(self) -> dpb.RegisterPoolRequest:
         return dpb.RegisterPoolRequest(
@@ -63,6 +64,7 @@ class WorkerModel:
             pool_id=FUZZ_POOL,
             namespace=dpb.Namespace(model_id="fuzz", dtype="float32"),
             worker_address="127.0.0.1:1",
+            pool_token=self.pool_token,
         )
 
     def step(self) -> dpb.StepRequest:
@@ -108,7 +110,8 @@ class WorkerModel:
     def apply(self, request, reply: bytes) -> None:
         """Follow blockd's answer to an unmutated request."""
         if isinstance(request, dpb.RegisterPoolRequest):
-            self.epoch = dpb.RegisterPoolResponse.FromString(reply).epoch
+            response = dpb.RegisterPoolResponse.FromString(reply)
+            self.epoch, self.pool_token = response.epoch, response.pool_token
             self.live.clear()
         elif isinstance(request, dpb.ResyncRequest):
             for entry in self.live.values():
@@ -234,9 +237,9 @@ def send(stack: Stack, method: str, payload: bytes) -> Outcome:
 send.pin_ids: list[str] = []  # type: ignore[attr-defined]
 
 
-def fuzz(stack: Stack, num_messages: int, seed: int, raw: bool) -> list[Outcome]:
+def fuzz(stack: Stack, num_messages: int, seed: int, raw: bool) -> tuple[list[Outcome], WorkerModel]:
     """Send `num_messages` messages (a third ordered worker calls on our own pool, the rest
-    concurrently on 6 threads); answers every outcome."""
+    concurrently on 6 threads); answers every outcome, and the ordered worker's model."""
     rng = random.Random(seed)
     model = WorkerModel(random.Random(seed + 1))
     seeds_seen: list[bytes] = []
@@ -276,10 +279,10 @@ def fuzz(stack: Stack, num_messages: int, seed: int, raw: bool) -> list[Outcome]
                 outcome = send(stack, method, damage(message))
             outcomes.append(outcome)
         outcomes += [f.result() for f in futures]
-    return outcomes
+    return outcomes, model
 
 
-def check_aftermath(stack: Stack, outcomes: list[Outcome], reference: list[int]) -> None:
+def check_aftermath(stack: Stack, outcomes: list[Outcome], reference: list[int], model: WorkerModel) -> None:
     """The daemons survived and leaked nothing (checked first, so a status bug cannot hide
     a leak), then: no call got a status that means a bug."""
     assert stack.computed.is_alive() and stack.blockd.is_alive()
@@ -288,7 +291,7 @@ def check_aftermath(stack: Stack, outcomes: list[Outcome], reference: list[int])
     for pin_id in send.pin_ids:  # pins are held on purpose; their owner drops them
         raw_call(stack.blockd_channel, A + "Unpin", dpb.UnpinRequest(pin_id=pin_id).SerializeToString())
     send.pin_ids.clear()
-    stack.worker.RegisterPool(WorkerModel(random.Random(0)).register(), timeout=10)  # reset our own pool
+    _reset_pool(stack, model)
     assert stack.generate(PROBE, 6).token_ids == reference, "greedy output changed after the fuzzing"
     deadline = time.monotonic() + 20  # pools the fuzzer registered lapse after their 2 s lease
     while True:
@@ -308,6 +311,20 @@ def check_aftermath(stack: Stack, outcomes: list[Outcome], reference: list[int])
     assert not bad, f"{len(bad)} of {len(outcomes)} calls got a bad status: {dict(kinds)}\ne.g. {examples}"
 
 
+def _reset_pool(stack: Stack, model: WorkerModel) -> None:
+    """Register our fuzz pool afresh. A mutated RegisterPool that blockd accepted may own it
+    now with a token the model never saw: then only its 2 s lease lapsing frees the id."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stack.worker.RegisterPool(model.register(), timeout=10)
+            return
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 @pytest.fixture
 def reference(hostile: Stack) -> list[int]:
     return hostile.generate(PROBE, 6).token_ids
@@ -315,14 +332,14 @@ def reference(hostile: Stack) -> list[int]:
 
 @pytest.mark.parametrize("num_messages", [250, pytest.param(5000, marks=pytest.mark.slow)])
 def test_fuzz_hostile_field_values(hostile: Stack, reference: list[int], num_messages: int) -> None:
-    outcomes = fuzz(hostile, num_messages, seed=1234, raw=False)
+    outcomes, model = fuzz(hostile, num_messages, seed=1234, raw=False)
     assert len(outcomes) == num_messages
     assert sum(o.code == grpc.StatusCode.OK for o in outcomes) > num_messages // 20, "nothing got through"
-    check_aftermath(hostile, outcomes, reference)
+    check_aftermath(hostile, outcomes, reference, model)
 
 
 @pytest.mark.parametrize("num_messages", [250, pytest.param(5000, marks=pytest.mark.slow)])
 def test_fuzz_raw_bytes(hostile: Stack, reference: list[int], num_messages: int) -> None:
-    outcomes = fuzz(hostile, num_messages, seed=4321, raw=True)
+    outcomes, model = fuzz(hostile, num_messages, seed=4321, raw=True)
     assert len(outcomes) == num_messages
-    check_aftermath(hostile, outcomes, reference)
+    check_aftermath(hostile, outcomes, reference, model)
