@@ -31,6 +31,7 @@ import structlog
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from blockd.messages import pool_match_to
 from blockd.routing import by_cached_prefix, rank_for_route
 from blockd.service import add_service, unary
 from blockd.types import PoolId, PoolMatch
@@ -119,7 +120,7 @@ class FleetRoutingService(pb_grpc.RoutingServiceServicer):
             pool_id=best.pool_id,
             worker_address=best.worker_address,
             num_cached_tokens=best.num_cached_tokens,
-            candidates=[_match_to(m) for m in ranked],
+            candidates=[pool_match_to(m) for m in ranked],
         )
 
 
@@ -137,7 +138,7 @@ class FleetAdminService(pb_grpc.DirectoryAdminServiceServicer):
             lambda i: shards.admin[i].Lookup(request, metadata=metadata, timeout=shards.deadline_seconds),
         )
         matches = by_cached_prefix([match_from(m) for r in replies for m in r.matches])
-        return pb.LookupResponse(matches=[_match_to(m) for m in matches])
+        return pb.LookupResponse(matches=[pool_match_to(m) for m in matches])
 
     @unary
     async def ListPools(
@@ -149,18 +150,6 @@ class FleetAdminService(pb_grpc.DirectoryAdminServiceServicer):
             lambda i: shards.admin[i].ListPools(request, metadata=metadata, timeout=shards.deadline_seconds),
         )
         return pb.ListPoolsResponse(pools=[p for r in replies for p in r.pools])
-
-
-def _match_to(match: PoolMatch) -> pb.PoolMatch:
-    return pb.PoolMatch(
-        pool_id=match.pool_id,
-        worker_address=match.worker_address,
-        num_cached_tokens=match.num_cached_tokens,
-        load=match.load,
-        num_sequences=match.num_sequences,
-        num_host_cached_tokens=match.num_host_cached_tokens,
-        num_shared_cached_tokens=match.num_shared_cached_tokens,
-    )
 
 
 def build_router(listen: str, shards: Shards, load_margin: float) -> tuple[grpc.aio.Server, str]:
