@@ -53,6 +53,7 @@ BENCHMARKS: dict[str, str] = {
 ON_REQUEST: dict[str, str] = {
     "peer": "bench.peer_vllm",
     "gateway": "bench.gateway",
+    "serving": "bench.serving_http",
 }
 SECTIONS = {**BENCHMARKS, **ON_REQUEST}
 

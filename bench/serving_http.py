@@ -26,13 +26,19 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clients.spawn import start_blockd, start_computed, start_gateway
+
+if TYPE_CHECKING:
+    from bench.context import BenchContext
+    from bench.report import BenchResult
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
 MODEL_DIR = REPO / "computed" / "default_model"
 MODEL = "default_model"
+TITLE = "10. HTTP serving against vLLM's OpenAI server"
 WORKLOADS = {
     "shared": [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "4",
@@ -53,6 +59,39 @@ def main() -> None:
     )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="serving-http-"))
+    rows = measure(out, args)
+    print(table(rows))
+    print(f"results: {out}")
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    """`python -m bench --only serving`: the same run, as a section of BENCHMARKS.md."""
+    from bench.report import BenchResult, Figure, Goal
+
+    num_prompts = 32 if ctx.quick else 128
+    args = argparse.Namespace(num_prompts=num_prompts, concurrency=32)
+    rows = measure(ctx.scratch("serving"), args)
+    figures = []
+    for name, ours, theirs in rows:
+        throughput = ours["output_throughput"] / theirs["output_throughput"]
+        figures.append(
+            Figure(f"ours ÷ vLLM output tok/s, {name}", round(throughput, 2), "x", Goal(">=", 1.5))
+        )
+        ttft = ours["median_ttft_ms"] / theirs["median_ttft_ms"]
+        goal = Goal("<=", 0.5) if name == "shared" else None
+        figures.append(Figure(f"ours ÷ vLLM TTFT p50, {name}", round(ttft, 2), "x", goal))
+    details = (
+        f"`vllm bench serve` (vLLM 0.32's CLI from .venv-vllm), {num_prompts} requests, 32 in flight, streamed, "
+        "64 tokens out, `--ignore-eos`, against our stack (blockd + one computed + the gateway) and vLLM's "
+        "OpenAI server (float32, block size 32), same model, same machine, sides alternating per workload. "
+        "Neither side is told a temperature: ours serves greedy, vLLM its checkpoint's generation config.\n\n"
+        + table(rows)
+    )
+    return BenchResult("serving", TITLE, figures, details)
+
+
+def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]:
+    """Each workload through vLLM's server, then through ours: (name, ours, theirs)."""
     out.mkdir(parents=True, exist_ok=True)
     blockd = start_blockd(out)
     computed = start_computed(out, blockd.address, model=MODEL_DIR)
@@ -69,19 +108,23 @@ def main() -> None:
         vllm.wait(60)
         for daemon in (gateway, computed, blockd):
             daemon.stop()
-    print(
-        "| workload | output tok/s ours / vLLM (ratio) | TTFT p50 ms ours / vLLM (ratio) | TPOT p50 ms ours / vLLM |"
-    )
-    print("|---|---|---|---|")
+    return rows
+
+
+def table(rows: list[tuple[str, dict, dict]]) -> str:
+    lines = [
+        "| workload | output tok/s ours / vLLM (ratio) | TTFT p50 ms ours / vLLM (ratio) | TPOT p50 ms ours / vLLM |",
+        "|---|---|---|---|",
+    ]
     for name, ours, theirs in rows:
         tput = ours["output_throughput"] / theirs["output_throughput"]
         ttft = ours["median_ttft_ms"] / theirs["median_ttft_ms"]
-        print(
+        lines.append(
             f"| {name} | {ours['output_throughput']:.0f} / {theirs['output_throughput']:.0f} ({tput:.2f}x) "
             f"| {ours['median_ttft_ms']:.0f} / {theirs['median_ttft_ms']:.0f} ({ttft:.2f}x) "
             f"| {ours['median_tpot_ms']:.1f} / {theirs['median_tpot_ms']:.1f} |"
         )
-    print(f"results: {out}")
+    return "\n".join(lines)
 
 
 def _bench(base_url: str, name: str, flags: list[str], result: Path, args: argparse.Namespace) -> dict:
