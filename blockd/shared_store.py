@@ -46,14 +46,24 @@ def block_key(seed: bytes, block_hash: bytes) -> str:
 
 def connect(url: str, timeout: float = 2.0):
     """A client of the store at `url` (redis:// or rediss://; the password from
-    KVCACHE_SHARED_TIER_PASSWORD, never the command line). Connects lazily."""
+    KVCACHE_SHARED_TIER_PASSWORD, never the command line). Connects lazily.
+
+    A command that finds its pooled connection closed (the store restarted since it
+    was last used) is retried once on a fresh one: blockd talks to the store rarely
+    (a rebuild, a Flush), so its pooled connection is usually older than the store's
+    last restart, and without the retry a Flush would leave every key behind."""
     import valkey.asyncio as valkey
+    from valkey.asyncio.retry import Retry
+    from valkey.backoff import NoBackoff
+    from valkey.exceptions import ConnectionError as StoreConnectionError
 
     return valkey.from_url(
         url,
         password=os.environ.get(PASSWORD_ENV) or None,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 1, (StoreConnectionError,)),
+        retry_on_error=[StoreConnectionError],
     )
 
 

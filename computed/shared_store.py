@@ -143,9 +143,18 @@ class SharedStore:
 
     def __init__(self, url: str, read_timeout: float = 0.1, write_timeout: float = 2.0, backoff: float = 1.0):
         import valkey.asyncio as valkey
+        from valkey.asyncio.retry import Retry
+        from valkey.backoff import NoBackoff
+        from valkey.exceptions import ConnectionError as StoreConnectionError
 
         password = os.environ.get(PASSWORD_ENV) or None
         self.url = url
+        # A pooled connection the store closed (it restarted) is retried once on a fresh
+        # one, so a store restart costs no write and no fetch; a timeout is not retried.
+        once = {
+            "retry": Retry(NoBackoff(), 1, (StoreConnectionError,)),
+            "retry_on_error": [StoreConnectionError],
+        }
         # Two connection pools: a slow write batch never delays a read.
         # Large reads: a fetch is often megabytes (bench.shared_tier: 8 MiB for a 2K prefix).
         self._reader = valkey.from_url(
@@ -154,9 +163,10 @@ class SharedStore:
             socket_timeout=read_timeout,
             socket_connect_timeout=read_timeout,
             socket_read_size=1 << 20,
+            **once,
         )
         self._writer = valkey.from_url(
-            url, password=password, socket_timeout=write_timeout, socket_connect_timeout=write_timeout
+            url, password=password, socket_timeout=write_timeout, socket_connect_timeout=write_timeout, **once
         )
         self._backoff = backoff
         self._down_until = 0.0

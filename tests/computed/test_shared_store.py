@@ -102,3 +102,34 @@ def test_blockd_reads_the_value_format_computed_writes() -> None:
     for name in ("PASSWORD_ENV", "KEY_PREFIX", "MAGIC", "VERSION", "HAS_PARENT", "SALTED"):
         assert getattr(reader, name) == getattr(writer, name), name
     assert reader.HEADER.format == writer.HEADER.format
+
+
+def test_a_store_restarted_between_uses_costs_neither_daemon_a_command(tmp_path):
+    # Both clients keep pooled connections; a restarted store has closed them. The next
+    # command must run on a fresh connection, not fail (blockd's Flush once left every
+    # key behind this way).
+    daemon = start_valkey(tmp_path / "v")
+    port = int(daemon.address.rsplit(":", 1)[1])
+    url = f"redis://{daemon.address}"
+    key = block_key(NS, ROOT.block_hash)
+
+    async def run():
+        nonlocal daemon
+        store, admin = SharedStore(url), SharedStoreAdmin(url)
+        assert await store.write([(key, encode(NS, ROOT, LAYOUT, KV))]) == [True]
+        assert len(await admin.read_index()) == 1
+        daemon.kill()
+        daemon = start_valkey(tmp_path / "v", port=port)  # back, and empty
+        written = await store.write([(key, encode(NS, ROOT, LAYOUT, KV))])
+        deleted = await admin.delete([], [NS])
+        fetched = await store.fetch([key])
+        await store.close()
+        await admin.close()
+        return written, deleted, fetched, store.counters
+
+    try:
+        written, deleted, fetched, counters = asyncio.run(run())
+    finally:
+        daemon.stop()
+    assert written == [True] and deleted == 1 and fetched == [None]
+    assert counters.num_write_failures == 0 and counters.num_fetch_errors == 0
