@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "(least-loaded only) [env GATEWAY_BLOCKD]",
     )
     p.add_argument(
+        "--blockd-shard",
+        action="append",
+        help="with blockd shards (docs/sharding.md): a shard's address, repeated per shard; the directory "
+        "mirror follows every shard's event stream, and --blockd is the fleet router "
+        "(python -m blockd.fleet) that answers Route [env GATEWAY_BLOCKD_SHARDS, comma-separated]",
+    )
+    p.add_argument(
         "--computed",
         action="append",
         default=None,
@@ -176,6 +183,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         return GatewayConfig(
             listen=a.listen,
             blockd=a.blockd or None,
+            blockd_shards=_addresses(
+                a.blockd_shard
+                or ([_env("GATEWAY_BLOCKD_SHARDS")] if _env("GATEWAY_BLOCKD_SHARDS") else None),
+                "",
+            ),
             computed=_addresses(computed, "" if a.discover and a.blockd else "127.0.0.1:50052"),
             discover=a.discover,
             routing=a.routing,

@@ -43,6 +43,10 @@ class GatewayConfig:
     # stream, so a routed request needs no Route round trip (Route serves while it is out of
     # sync). Off: every routed request asks Route.
     mirror: bool = True
+    # blockd shards whose event streams feed the mirror, one mirror each (docs/sharding.md):
+    # with shards, --blockd is the fleet router (Route, ListPools) and every shard streams its
+    # own pools' events. Empty: the mirror follows --blockd itself.
+    blockd_shards: tuple[str, ...] = ()
     # The most block hashes the mirror holds (about 100 bytes each); above it, Route serves.
     mirror_max_blocks: int = 4_000_000
     # blockd's admin token (blockd --admin-token): the mirror's calls (ListPools, ListBlocks,
@@ -67,7 +71,9 @@ class GatewayConfig:
             raise ValueError(
                 "need a --computed address, or --blockd with --discover to learn the workers from it"
             )
-        for address in (*self.computed, *([self.blockd] if self.blockd else [])):
+        if self.blockd_shards and not self.blockd:
+            raise ValueError("--blockd-shard needs --blockd (the fleet router that answers Route)")
+        for address in (*self.computed, *([self.blockd] if self.blockd else []), *self.blockd_shards):
             if address.rpartition(":")[2] == "" or "://" in address:
                 raise ValueError(f"daemon addresses are HOST:PORT, got {address!r}")
         if self.routing not in ROUTING_MODES:

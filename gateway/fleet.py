@@ -51,6 +51,7 @@ from gateway.discovery import PoolDiscovery
 from gateway.errors import NOT_FOUND, RATE_LIMITED, UNAVAILABLE, ApiError
 from gateway.mirror import DirectoryMirror
 from gateway.mirror_feed import MirrorFeed
+from gateway.mirrors import MirrorSet
 from gateway.routing import Candidate, make_policy
 from gateway.tokenizer import LocalTokenizer, load_tokenizers
 from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2_grpc
@@ -121,8 +122,9 @@ class Fleet:
         )
         self.policy = make_policy(config.routing)
         self._refresher: asyncio.Task | None = None
-        self.mirror: DirectoryMirror | None = None
-        self._feed: MirrorFeed | None = None
+        self.mirror: MirrorSet | None = None
+        self._feeds: list[MirrorFeed] = []
+        self._shard_channels: list[grpc.aio.Channel] = []
         self.tokenizers: dict[str, LocalTokenizer] = load_tokenizers(dict(config.tokenizers))
         self._discovery: PoolDiscovery | None = None
         self._retired: list[Worker] = []  # dropped, their channels closed once idle
@@ -142,17 +144,37 @@ class Fleet:
         if self._blockd_channel is not None and self.policy.uses_cache:
             self._route_stub = directory_pb2_grpc.RoutingServiceStub(self._blockd_channel)
             if self.config.mirror:
-                self.mirror = DirectoryMirror(self.config.mirror_max_blocks)
-                self._feed = MirrorFeed(self._blockd_channel, self.mirror, self.config.blockd_admin_token)
-                self._feed.start()
+                self._start_mirrors(self._blockd_channel)
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
+
+    def _start_mirrors(self, blockd_channel: grpc.aio.Channel) -> None:
+        """One mirror and its feed per shard (`--blockd-shard`), else one following blockd."""
+        if self.config.blockd_shards:
+            self._shard_channels = [open_aio_channel(a) for a in self.config.blockd_shards]
+        channels = self._shard_channels or [blockd_channel]
+        # Each shard's mirror may hold the bound: it is a bound of memory, and shards split it.
+        budget = max(1, self.config.mirror_max_blocks // len(channels))
+        mirror = self.mirror = MirrorSet([DirectoryMirror(budget) for _ in channels])
+
+        def publish() -> None:
+            metrics.MIRROR_SYNCED.set(1 if mirror.in_sync else 0)
+            metrics.MIRROR_BLOCKS.set(mirror.num_blocks)
+
+        self._feeds = [
+            MirrorFeed(channel, shard, self.config.blockd_admin_token, publish=publish)
+            for channel, shard in zip(channels, mirror.mirrors)
+        ]
+        for feed in self._feeds:
+            feed.start()
 
     async def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
-        if self._feed is not None:
-            await self._feed.close()
+        for feed in self._feeds:
+            await feed.close()
+        for channel in self._shard_channels:
+            await channel.close()
         for worker in (*self.workers, *self._retired):
             await worker.channel.close()
         if self._blockd_channel is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import grpc
 import grpc.aio
@@ -66,8 +67,11 @@ class MirrorFeed:
         mirror: DirectoryMirror,
         admin_token: str | None = None,
         timeout: float = 5.0,
+        publish: Callable[[], None] | None = None,
     ) -> None:
         self.mirror = mirror
+        # What sets the mirror gauges; with shards, the fleet's (every shard's mirror in one).
+        self._publish_metrics = publish or self._publish_own
         self._stub = directory_pb2_grpc.DirectoryAdminServiceStub(channel)
         self._metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
         self._timeout = timeout
@@ -185,7 +189,7 @@ class MirrorFeed:
                 self.mirror.apply(event_from(message))
                 if not self.mirror.in_sync:
                     return
-                metrics.MIRROR_BLOCKS.set(self.mirror.num_blocks)
+                self._publish_metrics()
         finally:
             call.cancel()
             self._publish()
@@ -210,6 +214,9 @@ class MirrorFeed:
         self._publish()
 
     def _publish(self) -> None:
+        self._publish_metrics()
+
+    def _publish_own(self) -> None:
         metrics.MIRROR_SYNCED.set(1 if self.mirror.in_sync else 0)
         metrics.MIRROR_BLOCKS.set(self.mirror.num_blocks)
 

@@ -8,7 +8,7 @@ from tests.daemons import REPO
 
 FORBIDDEN = ("blockd", "computed", "tests", "bench")
 # no I/O: validation, mapping, policies, the directory mirror and its hashing
-PURE = ("schema", "errors", "responses", "tenants", "config", "routing", "mirror", "prefix_hash")
+PURE = ("schema", "errors", "responses", "tenants", "config", "routing", "mirror", "mirrors", "prefix_hash")
 
 
 def _imports(path) -> set[str]:
@@ -37,6 +37,6 @@ def test_pure_modules_do_no_io() -> None:
 
 def test_routing_cores_import_no_grpc_and_no_contract() -> None:
     """The policies and the directory mirror are plain data structures: no gRPC, no generated code."""
-    for name in ("routing", "mirror", "prefix_hash"):
+    for name in ("routing", "mirror", "mirrors", "prefix_hash"):
         imported = _imports(REPO / "gateway" / f"{name}.py")
         assert not [n for n in imported if n.split(".")[0] in ("grpc", "kvcache")], f"gateway/{name}.py"
