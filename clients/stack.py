@@ -126,13 +126,21 @@ class Stack:
         gateway_args: Sequence[str] = (),
         shared_tier: str | None = "127.0.0.1:0",
         metrics_port: int | None = None,
+        shards: int = 1,
     ) -> list[DaemonState]:
         """Start a Valkey server for the shared tier (on `shared_tier`, HOST:PORT, port 0: a
         free one; a redis:// URL: use that store; None: no shared tier), blockd, then each
         computed, then the HTTP gateway (when `gateway` is an address); returns their
-        states once all are SERVING."""
+        states once all are SERVING.
+
+        With `shards` > 1 (docs/sharding.md), blockd is that many processes on free ports
+        ("blockd-shard0", ...), and `blockd` is the fleet router's address (`python -m
+        blockd.fleet`) in front of them: computed i registers with shard i mod `shards`,
+        and the gateway routes through the router, its mirror following every shard."""
         if not computed:
             raise StackError("need at least one --computed address")
+        if shards < 1:
+            raise StackError(f"--shards must be >= 1, got {shards}")
         running = [s.name for s in self.status() if s.is_running]
         if running:
             down = python_command("-m", "clients.stack", "down", "--run-dir", str(self.run_dir))
@@ -146,12 +154,38 @@ class Stack:
                 blockd_args = (*blockd_args, "--shared-tier", url)
                 computed_args = (*computed_args, "--shared-tier", url)
             token_args = ("--admin-token", admin_token) if admin_token else ()
-            if metrics_port is not None:
+            if metrics_port is not None and shards == 1:
                 blockd_args = (*blockd_args, "--metrics-port", str(metrics_port))
-            blockd_spec = DaemonSpec("blockd", "blockd", blockd, (*token_args, *blockd_args))
-            self._start(blockd_spec)
-            started.append(blockd_spec)
-            blockd_address = self._wait_serving(blockd_spec, timeout)
+            if shards == 1:
+                blockd_spec = DaemonSpec("blockd", "blockd", blockd, (*token_args, *blockd_args))
+                self._start(blockd_spec)
+                started.append(blockd_spec)
+                shard_addresses = [self._wait_serving(blockd_spec, timeout)]
+                blockd_address = shard_addresses[0]
+            else:
+                host = blockd.rpartition(":")[0]
+                shard_specs = [
+                    DaemonSpec(
+                        f"blockd-shard{i}",
+                        "blockd",
+                        f"{host}:0",
+                        (*token_args, *blockd_args, *_metrics_args(metrics_port, len(computed) + i)),
+                    )
+                    for i in range(shards)
+                ]
+                for spec in shard_specs:
+                    self._start(spec)
+                    started.append(spec)
+                shard_addresses = [self._wait_serving(spec, timeout) for spec in shard_specs]
+                router = DaemonSpec(
+                    "blockd-fleet",
+                    "blockd.fleet",
+                    blockd,
+                    tuple(a for x in shard_addresses for a in ("--shard", x)),
+                )
+                self._start(router)
+                started.append(router)
+                blockd_address = self._wait_serving(router, timeout)
             model_args = ("--model", model) if model else ()
             specs = [
                 DaemonSpec(
@@ -160,7 +194,7 @@ class Stack:
                     address,
                     (
                         "--blockd",
-                        blockd_address,
+                        shard_addresses[i % len(shard_addresses)],
                         *model_args,
                         *_metrics_args(metrics_port, i),
                         *computed_args,
@@ -174,6 +208,8 @@ class Stack:
             bound = [self._wait_serving(spec, timeout) for spec in specs]
             if gateway:
                 routed = ("--blockd", blockd_address, "--computed", ",".join(bound))
+                if shards > 1:
+                    routed = (*routed, *(a for x in shard_addresses for a in ("--blockd-shard", x)))
                 if admin_token:  # the gateway's directory mirror reads blockd's events (admin calls)
                     routed = (*routed, "--blockd-admin-token", admin_token)
                 gateway_spec = DaemonSpec("gateway", "gateway", gateway, (*routed, *gateway_args))
@@ -190,7 +226,7 @@ class Stack:
         the Valkey server last; returns the names stopped."""
         names = sorted(
             (p.stem for p in self.run_dir.glob("*.pid")),
-            key=lambda n: (n == "valkey", n == "blockd", n != "gateway", n),
+            key=lambda n: (n == "valkey", n.startswith("blockd"), n != "gateway", n),
         )
         return self._stop(names, grace)
 
@@ -223,7 +259,9 @@ class Stack:
 
     def status(self) -> list[DaemonState]:
         states = []
-        for pid_file in sorted(self.run_dir.glob("*.pid"), key=lambda p: (p.stem != "blockd", p.stem)):
+        for pid_file in sorted(
+            self.run_dir.glob("*.pid"), key=lambda p: (not p.stem.startswith("blockd"), p.stem)
+        ):
             name = pid_file.stem
             pid = _read_int(pid_file)
             is_running = pid is not None and self._is_ours(pid, name)
@@ -308,6 +346,10 @@ class Stack:
         if name == "valkey":  # the server rewrites its title ("valkey-server 127.0.0.1:PORT")
             return any(b"valkey-server" in arg or b"redis-server" in arg for arg in args)
         module = name if name in ("blockd", "gateway") else "computed"
+        if name.startswith("blockd-shard"):
+            module = "blockd"
+        elif name == "blockd-fleet":
+            module = "blockd.fleet"
         return b"-m" in args and module.encode() in args
 
     def _wait_gone(self, pid: int, timeout: float) -> bool:
@@ -323,7 +365,8 @@ class Stack:
 
 
 def _metrics_args(base: int | None, index: int) -> tuple[str, ...]:
-    """computed number `index`'s metrics port: `base` + 1 + index (blockd has `base`)."""
+    """computed number `index`'s metrics port: `base` + 1 + index (blockd has `base`); with
+    shards, shard i has the port after the last computed's + i."""
     return () if base is None else ("--metrics-port", str(base + 1 + index))
 
 
@@ -331,11 +374,15 @@ def metrics_urls(states: Sequence[DaemonState], base: int) -> list[str]:
     """Where `up --metrics-port base` serves Prometheus metrics, daemon by daemon."""
     urls = []
     computed = sorted(s.name for s in states if s.name.startswith("computed"))
+    shards = sorted(s.name for s in states if s.name.startswith("blockd-shard"))  # after the computed
     for state in states:
         if state.name == "blockd":
             urls.append(f"blockd http://127.0.0.1:{base}/metrics")
         elif state.name in computed:
             urls.append(f"{state.name} http://127.0.0.1:{base + 1 + computed.index(state.name)}/metrics")
+        elif state.name in shards:
+            port = base + 1 + len(computed) + shards.index(state.name)
+            urls.append(f"{state.name} http://127.0.0.1:{port}/metrics")
         elif state.name == "gateway" and state.address:
             urls.append(f"gateway http://{state.address}/metrics")
     return urls
@@ -406,6 +453,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--run-dir", type=Path, default=Path("run"), help="logs, pid and ready files")
     up.add_argument("--blockd", default="127.0.0.1:50051", help="blockd listen address")
     up.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="blockd processes (default 1); above 1, --blockd is the fleet router's address and "
+        "computed i registers with shard i mod N (docs/sharding.md)",
+    )
+    up.add_argument(
         "--computed",
         action="append",
         default=None,
@@ -464,12 +518,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 gateway_args=shlex.split(args.gateway_args),
                 shared_tier=None if args.shared_tier == "off" else args.shared_tier,
                 metrics_port=args.metrics_port,
+                shards=args.shards,
             )
             for note in stack.notes:
                 out.print(note, markup=False)
             out.print(_status_table(states))
             computed = ",".join(s.address for s in states if s.name.startswith("computed") and s.address)
-            blockd = next(s.address for s in states if s.name == "blockd")
+            blockd = next(s.address for s in states if s.name in ("blockd", "blockd-fleet"))
             hint = kvctl_command("--blockd", blockd, "--computed", computed, "generate", "Hello")
             out.print(f"try: {hint}", markup=False)
             gateway_address = next((s.address for s in states if s.name == "gateway"), None)

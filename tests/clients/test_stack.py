@@ -126,6 +126,74 @@ def test_up_status_down(tmp_path: Path) -> None:
     assert "nothing is running" in status.stdout and "make up" in status.stdout, status.stdout
 
 
+def test_up_with_shards_puts_each_worker_on_its_shard_behind_the_router(tmp_path: Path) -> None:
+    """`up --shards 2` (docs/sharding.md): two blockd processes, the fleet router on --blockd,
+    computed i on shard i mod 2, the gateway routing through the router with a mirror per shard."""
+    from kvcache.v1 import directory_pb2 as pb
+    from kvcache.v1 import directory_pb2_grpc as pb_grpc
+    from tests.gateway.conftest import http
+
+    run_dir = tmp_path / "run"
+    router, gateway = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    computed = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    up = run_module(
+        "clients.stack",
+        *("up", "--run-dir", str(run_dir), "--blockd", router, "--shards", "2", "--shared-tier", "off"),
+        *("--computed", computed[0], "--computed", computed[1], "--gateway", gateway),
+        *model_flags(tmp_path),
+    )
+    pids = pids_in(run_dir)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        status = run_module("clients.stack", "status", "--run-dir", str(run_dir), "--json")
+        states = {s["name"]: s for s in json.loads(status.stdout)}
+        assert set(states) == {
+            "blockd-shard0",
+            "blockd-shard1",
+            "blockd-fleet",
+            "computed",
+            "computed2",
+            "gateway",
+        }
+        assert all(s["is_running"] and s["health"] == "SERVING" for s in states.values()), states
+        assert states["blockd-fleet"]["address"] == router
+        import grpc
+
+        for i, shard in enumerate(("blockd-shard0", "blockd-shard1")):
+            with grpc.insecure_channel(states[shard]["address"]) as channel:
+                pools = pb_grpc.DirectoryAdminServiceStub(channel).ListPools(
+                    pb.ListPoolsRequest(), timeout=10
+                )
+            assert [p.worker_address for p in pools.pools] == [computed[i]]  # one worker per shard
+        with grpc.insecure_channel(router) as channel:
+            pools = pb_grpc.DirectoryAdminServiceStub(channel).ListPools(pb.ListPoolsRequest(), timeout=10)
+        assert sorted(p.worker_address for p in pools.pools) == sorted(computed)
+        body = {"model": "default_model", "prompt": unique_prompt("shards"), "max_tokens": 2}
+        first = http(gateway, "POST", "/v1/completions", {**body, "model": _served_model(gateway)})
+        assert first[0] == 200, first
+        deadline = time.monotonic() + 20
+        while True:  # the gateway's mirrors follow both shards' streams
+            metrics = http(gateway, "GET", "/metrics")[2]
+            if re.search(r"^gateway_directory_mirror_synced 1", metrics, re.MULTILINE):
+                break
+            assert time.monotonic() < deadline, "the gateway's shard mirrors never synced"
+            time.sleep(0.1)
+        again = http(gateway, "POST", "/v1/completions", {**body, "model": _served_model(gateway)})
+        assert again[0] == 200 and json.loads(again[2])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert again[1]["x-kvcache-worker"] == first[1]["x-kvcache-worker"]  # routed to its prefix
+    finally:
+        down = run_module("clients.stack", "down", "--run-dir", str(run_dir))
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.index("computed") < down.stdout.index("blockd-shard0")  # workers first
+    wait_all_gone(pids)
+
+
+def _served_model(gateway: str) -> str:
+    from tests.gateway.conftest import http
+
+    return json.loads(http(gateway, "GET", "/v1/models")[2])["data"][0]["id"]
+
+
 def test_failed_start_shows_the_log_tail_and_stops_everything(tmp_path: Path) -> None:
     stack = Stack(tmp_path / "run")
     with pytest.raises(StackError) as error:
@@ -161,7 +229,9 @@ def test_demo_runs_the_workload_and_stops_the_stack(tmp_path: Path) -> None:
     assert "hit rate of this run" in result.stdout and "Traceback" not in result.stdout + result.stderr
     assert not list(run_dir.glob("*.pid")), "the demo stops the stack it started"
     wait_all_gone(logged_pids(run_dir))
-    again = next((line for line in result.stdout.splitlines() if "first question again" in line), result.stdout)
+    again = next(
+        (line for line in result.stdout.splitlines() if "first question again" in line), result.stdout
+    )
     assert "after a flush" in again and "cached 0 tokens (cold)" in again, again
     assert "TTFT: cold (0 cached tokens)" in result.stdout, "a fresh stack: the first request is cold"
     assert "cached prefix: time to first token" in result.stdout
