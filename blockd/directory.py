@@ -28,6 +28,8 @@ from blockd.pool import BlockPool, PoolCounters
 from blockd.routing import by_cached_prefix, rank_for_route
 from blockd.shared_tier import SharedRecord, SharedTier, salt_digest_of
 from blockd.sightings import Sightings
+from blockd.tiers.base import NO_REPORTS, TierReports
+from blockd.tiers.shared import removed_event
 from blockd.types import (
     NO_HOST_TIER,
     AdmitOp,
@@ -142,23 +144,10 @@ class BlockDirectory:
         pool = slot.pool
         plan = plan_step(pool, self.config, commits, releases, grows, admits)
         self._leases.renew(slot)
-        if pool.shared is not None:
-            self._apply_shared_reports(pool, shared_written, shared_failed, shared_missing)
-        for sequence_id, block_ids, data in plan.commits:
-            pool.commit(sequence_id, block_ids, data)
-        for sequence_id in plan.releases:
-            pool.release(sequence_id)
-        grown = tuple(pool.grow(sequence_id, num_tokens) for sequence_id, num_tokens in plan.grows)
-        admitted = tuple(pool.admit(*admit) for admit in plan.admits)
-        pool.leaves.compact(pool.num_evictable)
-        demotions: tuple = ()
-        if pool.host is not None:
-            pool.host.leaves.compact(pool.host.num_evictable)
-            demotions, pool.demotions = tuple(pool.demotions), []
-        stores: tuple = ()
-        if pool.stores:
-            stores, pool.stores = tuple(pool.stores), []
-        return StepResult(grown, admitted, pool.num_free, pool.num_evictable, demotions, stores)
+        reports = NO_REPORTS
+        if shared_written or shared_failed or shared_missing:
+            reports = TierReports(tuple(shared_written), tuple(shared_failed), tuple(shared_missing))
+        return pool.step(plan, reports)
 
     def resync(self, pool_id: PoolId, epoch: int, sequences: Seq[ResyncSequence]) -> ResyncResult:
         """Make the worker's declared live sequences the whole state of the pool: it is
@@ -350,32 +339,6 @@ class BlockDirectory:
         for shared in self.shared.namespaces.values():
             shared.forget_pool(pool_id)
 
-    def _apply_shared_reports(
-        self, pool: BlockPool, written: Seq[bytes], failed: Seq[bytes], missing: Seq[bytes]
-    ) -> None:
-        shared = pool.shared
-        assert shared is not None
-        counters = pool.counters.shared
-        if written:
-            resident = shared.confirm(pool.pool_id, [BlockHash(bytes(h)) for h in written])
-            counters.num_stores += len(resident)
-            if resident:
-                self.events.append(
-                    EventKind.DEMOTED, pool.pool_id, tuple(r.block_hash for r in resident), tier=Tier.SHARED
-                )
-        if shared.forgotten:  # the index outgrew its bound
-            self._shared_removed(shared.forgotten)
-            shared.forgotten = []
-        if failed:
-            counters.num_write_failures += shared.fail(pool.pool_id, [BlockHash(bytes(h)) for h in failed])
-        if missing:
-            dropped = shared.drop([BlockHash(bytes(h)) for h in missing])
-            counters.num_missing += len(dropped)
-            self._shared_removed(dropped, pool.pool_id)
-
     def _shared_removed(self, dropped: list[SharedRecord], pool_id: str = "") -> None:
         """A REMOVED event of tier SHARED (pool_id: the pool whose fetch found them gone)."""
-        if dropped:
-            self.events.append(
-                EventKind.REMOVED, PoolId(pool_id), tuple(r.block_hash for r in dropped), tier=Tier.SHARED
-            )
+        removed_event(self.events, dropped, pool_id)

@@ -10,19 +10,13 @@ Every block is in exactly one of three states, so at every moment
 - referenced: held by live sequences or pins. Only a sequence's own uncommitted
   blocks are ever written; a referenced block is never evicted or handed out.
 
-With a host tier (`blockd.host_tier`), a block that leaves the device pool may stay
-findable there: eviction demotes what is worth keeping (the worker copies its K/V out
-before the device block is reused: `demotions`), an admission's walk goes on through
-host-resident blocks and loads them into its own new device blocks (`AdmitResult.loads`),
-and they become findable in the device pool when the sequence commits them, after the
-copy (commit-after-write, for loads). The identity above holds per tier.
-
-With a shared tier (`blockd.shared_tier`, one index per namespace, shared by its
-pools), a committed block the admission rule accepts is written through: the Step
-answer asks the worker to store it (`stores`), and it becomes findable there once the
-worker reports the write done. An admission's walk goes on through shared records
-after the device and host hits; they get fresh device blocks that the worker fetches
-into (`AdmitResult.shared_loads`) and commits like loads.
+Below the device blocks, `lower_tiers` (`blockd.tiers`: the host tier, then the
+shared tier, each behind one protocol, chosen by the registry) hold what may stay
+findable when it leaves the device: an admission walks them in order after the
+device hits, eviction hands its victims to the tier that takes demotions, commits
+and releases end their loads, and a Step answers the work the worker owes them as
+one returned object (`step`). The identity above holds per tier. The pool never
+asks which tiers exist: it walks the list.
 
 Methods assume their arguments were validated (`blockd.validation`); they only
 `assert` internal invariants, so a step that passed validation applies fully.
@@ -31,17 +25,20 @@ Methods assume their arguments were validated (`blockd.validation`); they only
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
-from blockd.eviction import EvictableLeaves, EvictionPolicy, make_host_policy
+from blockd.eviction import EvictableLeaves, EvictionPolicy
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
-from blockd.hashing import BlockHasher, block_payloads, block_width, salt_tag, split_blocks
+from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.host_tier import HostCounters, HostTier
 from blockd.prompt import Prompt
-from blockd.shared_tier import SharedCounters, SharedIndex, SharedRecord, make_identity, salt_digest_of
+from blockd.shared_tier import SharedCounters, SharedIndex
 from blockd.sightings import Sightings
+from blockd.tiers.base import NO_REPORTS, NO_WORK, LowerTier, TierReports, TierSetup
+from blockd.tiers.registry import make_lower_tiers
 from blockd.types import (
     NO_HOST_TIER,
     AdmitResult,
@@ -49,13 +46,15 @@ from blockd.types import (
     BlockId,
     CachePolicy,
     GrowResult,
-    HostBlockId,
     HostSpec,
     PoolId,
     SequenceId,
-    SharedBlock,
+    StepResult,
     Tier,
 )
+
+if TYPE_CHECKING:
+    from blockd.validation import StepPlan
 
 EVENT_CHUNK = 1024  # blocks per REMOVED event when a flush drops many
 
@@ -121,31 +120,44 @@ class BlockPool:
         self._events = events
         self._tick = 0  # logical clock for recency
         self.host_spec = host_spec
-        # its own policy instance: a stateful policy (adaptive, lfuda) learns from device evictions only
-        host_policy = make_host_policy(policy)
-        self.host = (
-            HostTier(host_spec, block_size, host_policy, counters.host) if host_spec.num_blocks else None
-        )
-        # A block is demoted when it was seen more than this many times (0: always; 1:
-        # seen twice), or when host-only children depend on it.
+        # A block is demoted (or written through) when it was seen more than this many
+        # times (0: always; 1: seen twice), or when host-only children depend on it.
         self.demote_min_hits = demote_min_hits
         # Shared by every pool of the directory; None when the rule needs no count.
         self.sightings = sightings if demote_min_hits > 0 else None
-        # Whether a loaded block keeps its host copy (a later eviction then needs no
-        # copy) or gives it up (the tiers hold more distinct blocks together).
-        self.keep_host_copies = keep_host_copies
-        # Copies the worker owes before its next forward; the directory drains them
-        # into each StepResult.
-        self.demotions: list[tuple[BlockId, HostBlockId]] = []
-        self._demoted: list[Block] = []  # for the DEMOTED event of the current op
-        self._host_dropped: list[tuple[Block, HostBlockId]] = []  # for the host REMOVED event
         # Hashes that left the index (bounded; without one, nothing is remembered).
         self.ghosts = ghosts if ghosts is not None else GhostTable(0, lambda: 0.0)
         self.last_miss: Miss | None = None  # the last admission's classification
-        # The namespace's shared tier index, when this pool's worker reaches the store.
-        self.shared = shared if host_spec.has_shared_tier else None
-        # Writes to the shared tier the worker owes; drained into each StepResult.
-        self.stores: list[SharedBlock] = []
+        setup = TierSetup(
+            pool_id,
+            block_size,
+            seed,
+            hasher,
+            events,
+            counters,
+            host_spec,
+            self.index,
+            policy,
+            self._worth_keeping,
+            keep_host_copies,
+            shared,
+        )
+        # Faster first: the order an admission walks them (`blockd.tiers.registry`).
+        self.lower_tiers: list[LowerTier] = make_lower_tiers(setup)
+        tiers = self.lower_tiers
+        # The tier that takes the device's eviction victims, and the one whose records
+        # a commit may adopt (the pool's own `Block`s); None without one.
+        self._demote = next((t.demote for t in tiers if t.takes_demotions), None)
+        holders = [t for t in tiers if t.holds_records]
+        assert len(holders) <= 1, "one tier holds the pool's records"
+        self._record_tier: LowerTier | None = holders[0] if holders else None
+        # Read-only views for operator queries, stats and tests.
+        self.host: HostTier | None = next(
+            (getattr(t, "store", None) for t in tiers if t.tier is Tier.HOST), None
+        )
+        self.shared: SharedIndex | None = next(
+            (getattr(t, "index", None) for t in tiers if t.tier is Tier.SHARED), None
+        )
 
     # ------------------------------------------------------------ queries
 
@@ -185,33 +197,38 @@ class BlockPool:
         return candidates
 
     def match_tiers(self, prompt: Prompt) -> tuple[list[Block], list[Block]]:
-        """Verified hits in every tier: (device-cached hits, host-only hits after them).
-        The device pool holds a prefix-closed set (a cached block's parent is cached),
-        so once a hit is host-only, so is every later one. Same exactness as `match`:
-        record identity of the parent and an equal payload, never the hash alone."""
-        host = self.host
-        if host is None:
-            return self.match(prompt), []
-        index, host_index = self.index, host.index
-
-        def lookup(block_hash: BlockHash) -> Block | None:
-            return index.get(block_hash) or host_index.get(block_hash)
-
-        payloads = prompt.payloads(self.block_size)
-        candidates: list[Block] = self._hasher.walk(self.seed, payloads, lookup)
-        num_hits = num_device = 0
-        parent: Block | None = None
-        for block, payload in zip(candidates, payloads):
-            if block.parent is not parent or block.payload != payload:
-                break
-            if block.is_cached:
-                num_device += 1
-            parent = block
-            num_hits += 1
-        assert all(not b.is_cached for b in candidates[num_device:num_hits]), "device set is prefix-closed"
-        return candidates[:num_device], candidates[num_device:num_hits]
+        """Verified hits of the device pool and of the tier holding the pool's records
+        after them (the host tier): (device-cached hits, host-only hits)."""
+        hits = self.match(prompt)
+        tier = self._record_tier
+        return hits, tier.match(prompt, hits) if tier is not None else []
 
     # ------------------------------------------------------------ step ops
+
+    def step(self, plan: StepPlan, reports: TierReports = NO_REPORTS) -> StepResult:
+        """Apply a validated Step: the worker's reports of earlier tier work first, then
+        commits, releases, grows and admits in that order. The answer is one returned
+        object: the ops' results and the work the lower tiers ask of the worker before
+        its next forward (their demotions to copy, their writes)."""
+        tiers = self.lower_tiers
+        if reports is not NO_REPORTS:
+            for tier in tiers:
+                tier.reports(reports)
+        for sequence_id, block_ids, data in plan.commits:
+            self.commit(sequence_id, block_ids, data)
+        for sequence_id in plan.releases:
+            self.release(sequence_id)
+        grown = tuple(self.grow(sequence_id, num_tokens) for sequence_id, num_tokens in plan.grows)
+        admitted = tuple(self.admit(*admit) for admit in plan.admits)
+        self.leaves.compact(self.num_evictable)
+        work = NO_WORK
+        for tier in tiers:
+            tier_work = tier.end_step()
+            if tier_work is not NO_WORK:
+                work = tier_work if work is NO_WORK else work + tier_work
+        return StepResult(
+            grown, admitted, self.num_free, self.num_evictable, work.demotions, work.shared_stores
+        )
 
     def admit(
         self,
@@ -226,30 +243,25 @@ class BlockPool:
         `cache_policy` NONE looks nothing up (no hits); READ_ONLY and NONE sequences
         never index their blocks (`commit`). `retention` is stamped at release."""
         num_tokens = prompt.num_tokens
-        hits, host_hits = self.match_tiers(prompt) if cache_policy is not CachePolicy.NONE else ([], [])
-        host = self.host
-        not_loaded = False  # host hits left behind: loading them was estimated slower
-        if host_hits and not host.pays_to_load:  # type: ignore[union-attr]
-            host.counters.num_loads_skipped += 1  # type: ignore[union-attr]
-            host_hits = []
-            not_loaded = True
-        shared_hits: list[SharedRecord] = []
-        num_full = num_tokens // self.block_size
-        # The shared walk goes on from the faster tiers' hits (their hashes are known:
-        # one digest per block per admission), only when they leave full blocks uncached.
-        if (
-            self.shared is not None
-            and cache_policy is not CachePolicy.NONE
-            and len(hits) + len(host_hits) < num_full
-        ):
-            known = [block.block_hash for block in hits] + [block.block_hash for block in host_hits]
-            chain = self.shared.match(prompt, self.block_size, known)
-            self.shared.touch(chain)
-            shared_hits = chain[len(hits) + len(host_hits) :]
-            if shared_hits and not self.pays_to_fetch:
-                self.counters.shared.num_loads_skipped += 1
-                shared_hits = []
-                not_loaded = True
+        hits = self.match(prompt) if cache_policy is not CachePolicy.NONE else []
+        not_loaded = False  # lower tier hits left behind: loading them was estimated slower
+        # Each lower tier in order goes on from the hits kept so far (their hashes are
+        # known: one digest per block per admission), while full blocks are uncached.
+        found: list[tuple[LowerTier, list[Any]]] = []
+        kept: list[Any] = hits
+        if self.lower_tiers and cache_policy is not CachePolicy.NONE:
+            num_full = num_tokens // self.block_size
+            for tier in self.lower_tiers:
+                if len(kept) >= num_full:
+                    break
+                tier_hits = tier.match(prompt, kept)
+                if tier_hits and not tier.pays_to_load:
+                    tier.count_skipped()
+                    tier_hits = []
+                    not_loaded = True
+                if tier_hits:
+                    found.append((tier, tier_hits))
+                    kept = kept + tier_hits
         num_missing = self.num_blocks_for(num_tokens) - len(hits)
         available = len(self.free) + self.num_evictable
         # Referencing an unreferenced hit takes it from the evictable blocks; count those
@@ -266,59 +278,41 @@ class BlockPool:
         self.num_evictable -= num_revived
         self.num_referenced += num_revived
         if self.sightings is not None:
-            self.sightings.see([block.block_hash for block in hits + host_hits])
-            self.sightings.see([record.block_hash for record in shared_hits])
-            if self.shared is not None:  # a hit may make a block worth keeping in the store
-                self._store([block for block in hits if self._times_seen(block) > self.demote_min_hits])
-        for block in host_hits:  # held before allocating, so no demotion can evict them
-            host.ref(block)  # type: ignore[union-attr]
+            self._see_hits(hits, found)
+        for tier, tier_hits in found:  # held before allocating, so no demotion can evict them
+            tier.reserve(tier_hits)
         block_ids = [block.block_id for block in hits]
         block_ids += self._allocate(num_missing)
-        self._emit_tier_events()
+        self._end_op()
         salt_block = prompt.salt_block(self.block_size)
         sequence = Sequence(
             sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block, cache_policy, retention
         )
         self.sequences[sequence_id] = sequence
-        loads: tuple[tuple[BlockId, HostBlockId], ...] = ()
-        if host_hits:
-            sequence.loading = host_hits
-            first = len(hits)
-            loads = tuple(
-                (block_ids[first + i], block.host_block_id)  # type: ignore[misc]
-                for i, block in enumerate(host_hits)
-            )
-            host.counters.num_loads += len(host_hits)  # type: ignore[union-attr]
-            host.counters.hit_tokens += len(host_hits) * self.block_size  # type: ignore[union-attr]
-        shared_loads: tuple[SharedBlock, ...] = ()
-        if shared_hits:
-            first = len(hits) + len(host_hits)
-            shared_loads = tuple(
-                SharedBlock(
-                    block_ids[first + i],
-                    record.block_hash,
-                    record.parent_hash,
-                    record.token_bytes,
-                    record.salt_digest,
-                    record.depth,
-                )
-                for i, record in enumerate(shared_hits)
-            )
-            self.counters.shared.num_loads += len(shared_hits)
-            self.counters.shared.hit_tokens += len(shared_hits) * self.block_size
-        num_cached_tokens = (len(hits) + len(host_hits) + len(shared_hits)) * self.block_size
+        num_cached_tokens = len(kept) * self.block_size
         counters = self.counters
         counters.num_admissions += 1
         counters.queried_tokens += num_tokens
         counters.hit_tokens += num_cached_tokens
         if num_cached_tokens < num_tokens:
-            miss = self.explain(prompt, hits + host_hits + shared_hits, cache_policy)  # type: ignore[operator]
+            miss = self.explain(prompt, kept, cache_policy)
             if not_loaded and miss.reason is not None:
                 miss = Miss(
                     MissReason.NOT_LOADED, miss.num_tokens, miss.num_partial_tokens, miss.first_missing_block
                 )
             self._count_miss(miss)
-        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens, loads, shared_loads)
+        if not found:
+            return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens)
+        answers: dict[str, tuple] = {}
+        first = len(hits)
+        for tier, tier_hits in found:  # each tier's loads fill its field, in table order
+            last = first + len(tier_hits)
+            field_name = tier.admit_field
+            answers[field_name] = answers.get(field_name, ()) + tier.loads(
+                block_ids[first:last], tier_hits, sequence
+            )
+            first = last
+        return AdmitResult(sequence_id, True, tuple(block_ids), num_cached_tokens, **answers)
 
     def grow(self, sequence_id: SequenceId, num_tokens: int) -> GrowResult:
         sequence = self.sequences[sequence_id]
@@ -328,7 +322,7 @@ class BlockPool:
         if len(self.free) + self.num_evictable < num_missing:
             return GrowResult(sequence_id, False)
         new_block_ids = self._allocate(num_missing)
-        self._emit_tier_events()
+        self._end_op()
         sequence.block_ids.extend(new_block_ids)
         return GrowResult(sequence_id, True, tuple(new_block_ids))
 
@@ -343,19 +337,17 @@ class BlockPool:
         assert block_ids == sequence.block_ids[start : start + len(block_ids)], "commit run"
         parent = committed[-1] if committed else None
         blocks = split_blocks(data, self.block_size)
-        if sequence.loading:  # these loads' copies are done: release their host blocks
-            num_loaded = min(len(block_ids), len(sequence.loading))
-            for record in sequence.loading[:num_loaded]:
-                self.host.unref(record)  # type: ignore[union-attr]
-            del sequence.loading[:num_loaded]
+        for tier in self.lower_tiers:  # these blocks' loads are done
+            tier.loads_done(sequence, len(block_ids))
         salt_index = sequence.salt_block - start if sequence.salt_block is not None else None
         payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
         store = sequence.cache_policy is CachePolicy.STORE
         run = self._commit_run(parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index, store)
         committed += run
-        if self.shared is not None and store:
-            self._store([b for b in run if b.is_cached and self._times_seen(b) > self.demote_min_hits])
+        if store:
+            for tier in self.lower_tiers:
+                tier.committed(run)
         known = sequence.token_bytes
         offset = start * block_width(self.block_size)
         sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
@@ -365,8 +357,8 @@ class BlockPool:
         once unreferenced, its own uncommitted blocks return to free. One tick stamps
         the whole chain, so a parent is never more recent than its child."""
         sequence = self.sequences.pop(sequence_id)
-        for record in sequence.loading:  # loads never committed (cancelled or preempted)
-            self.host.unref(record)  # type: ignore[union-attr]
+        for tier in self.lower_tiers:  # loads never committed (cancelled or preempted) end
+            tier.released(sequence)
         self._tick += 1
         tick = self._tick
         retention = sequence.retention
@@ -397,8 +389,11 @@ class BlockPool:
         its salt, so no findable block is left without its parent (a device-only flush
         keeps host copies findable, and drops host-only blocks whose parent it took)."""
         answer: list[tuple[Tier, int, int]] = []
-        if self.host is not None and Tier.HOST in tiers:
-            answer.append((Tier.HOST, *self._flush_host(salt)))
+        for tier in self.lower_tiers:
+            if tier.tier in tiers:
+                counts = tier.flush(salt)
+                if counts is not None:  # None: not one pool's to flush (the shared tier)
+                    answer.append((tier.tier, *counts))
         if Tier.DEVICE in tiers:
             answer.append((Tier.DEVICE, *self._flush_device(salt)))
         return answer
@@ -411,7 +406,8 @@ class BlockPool:
             _, leaf = self._drop_chain(block, 1, None)
             if leaf is not None:
                 self.leaves.push(leaf)
-            self._left_device(block)
+            for tier in self.lower_tiers:
+                tier.left_device(block)
         self.num_evictable -= len(dropped)
         self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits) for b in dropped], FLUSH)
         self.free.give_all([block.block_id for block in dropped])  # type: ignore[misc]
@@ -423,22 +419,8 @@ class BlockPool:
                 tuple(b.block_hash for b in chunk),
                 tuple(b.block_id for b in chunk),  # type: ignore[misc]
             )
-        self._emit_tier_events()
+        self._end_op()
         return len(dropped), len(matching) - len(dropped)
-
-    def _flush_host(self, salt: str | None) -> tuple[int, int]:
-        host = self.host
-        assert host is not None
-        matching = [b for b in host.index.values() if salt is None or b.chain_salt == salt]
-        idle = sorted((b for b in matching if b.host_refs == 0), key=_deepest_first)
-        num_dropped = 0
-        for block in idle:
-            if block.num_host_children:  # a host-only child is being loaded: keep its parent
-                continue
-            self._drop_host_copy(block)
-            num_dropped += 1
-        self._emit_tier_events()
-        return num_dropped, len(matching) - num_dropped
 
     def pin(self, blocks: list[Block]) -> None:
         """Hold a reference on cached blocks (a pinned prefix is never evicted)."""
@@ -532,7 +514,8 @@ class BlockPool:
         uses the ghost table remembered for its hash."""
         records = self.blocks
         index = self.index
-        host_index = self.host.index if self.host is not None else None
+        record_tier = self._record_tier
+        find_record = record_tier.find_record if record_tier is not None else None
         assert records.keys().isdisjoint(block_ids), "a block of the run is already committed"
         salts: list[str | None] = [None] * len(block_ids)
         if salt_index is not None and 0 <= salt_index < len(salts):
@@ -548,8 +531,8 @@ class BlockPool:
             block_ids, hashes, blocks, payloads, salts
         ):
             kept = None
-            if host_index is not None and indexing and block_hash not in index:
-                kept = host_index.get(block_hash)
+            if find_record is not None and indexing and block_hash not in index:
+                kept = find_record(block_hash)
             if kept is not None and not kept.is_cached and kept.parent is parent and kept.payload == payload:
                 # The content's host-only record (loaded, or recomputed beside it) gains
                 # this device copy: one record per content block, its history kept.
@@ -557,7 +540,7 @@ class BlockPool:
                 assert block.ref_count == 0, f"a host-only record is unreferenced: {block}"
                 block.block_id = block_id
                 block.ref_count = 1
-                self.host.child_left(parent)  # type: ignore[union-attr]
+                record_tier.adopt(block, parent)  # type: ignore[union-attr]
             else:
                 block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
             records[block_id] = block
@@ -579,13 +562,8 @@ class BlockPool:
                         ghosts.add_salted(self._salt_free_hash(block))
             append(block)
             parent = block
-        if self.host is not None and not self.keep_host_copies:
-            # Exclusive tiers: a loaded block lives in the device pool alone, so the two
-            # tiers together hold more distinct blocks (bench.tiers: the replay's hit rate).
-            for block, was_loaded in zip(reversed(run[:num_stored]), reversed(loaded)):
-                if was_loaded and block.host_refs == 0 and block.num_host_children == 0:
-                    self._drop_host_copy(block)
-            self._emit_tier_events()
+        for tier in self.lower_tiers:
+            tier.run_committed(run, loaded)
         if not store:
             ghosts.remember([(b.block_hash, 1) for b in run if b.block_hash not in index], NOT_STORED)
         if self.sightings is not None:  # computed here: seen once (a load was seen as a hit)
@@ -618,7 +596,7 @@ class BlockPool:
 
     def _evict(self, num: int) -> list[BlockId]:
         """`num` evictable leaves, in the policy's order, each chain tail first."""
-        leaves = self.leaves
+        leaves, demote = self.leaves, self._demote
         evicted: list[Block] = []
         while len(evicted) < num:
             block = leaves.pop()
@@ -627,8 +605,8 @@ class BlockPool:
             evicted += dropped
             if leaf is not None:
                 leaves.push(leaf)
-            if self.host is not None:
-                self._demote_chain(dropped)
+            if demote is not None:
+                demote(dropped)
         self.num_evictable -= num
         self.counters.num_evictions += num
         self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits) for b in evicted], leaves.policy.name)
@@ -670,195 +648,40 @@ class BlockPool:
                 return dropped, parent  # a pushed block loses ties, so only "below" is sure
             block = parent
 
-    # ------------------------------------------------------------ shared tier
+    # ------------------------------------------------------------ lower tiers
 
-    @property
-    def pays_to_fetch(self) -> bool:
-        """Whether fetching a block from the shared tier is estimated faster than
-        recomputing it (unknown costs: fetch)."""
-        fetch = self.host_spec.shared_load_seconds_per_block
-        recompute = self.host_spec.prefill_seconds_per_token * self.block_size
-        return fetch <= 0.0 or recompute <= 0.0 or fetch < recompute
-
-    def _store(self, blocks: list[Block]) -> None:
-        """Ask the worker to write these device-cached blocks (parent first) to the
-        shared tier, unless the store holds them or a write of them is under way."""
-        shared = self.shared
-        assert shared is not None
-        for block in blocks:
-            if shared.is_known(block.block_hash):
-                continue
-            parent = block.parent
-            digest = salt_digest_of(salt_tag(block.mixed_salt)) if block.mixed_salt is not None else None
-            record = SharedRecord(
-                block.block_hash,
-                parent.block_hash if parent is not None else None,
-                block.token_bytes,
-                digest,
-                block.depth,
-            )
-            parent_identity = None
-            if parent is not None:
-                parent_digest = (
-                    salt_digest_of(salt_tag(parent.mixed_salt)) if parent.mixed_salt is not None else None
-                )
-                parent_identity = make_identity(parent.token_bytes, parent_digest)
-            shared.add_pending(record, self.pool_id, parent_identity)
-            self.stores.append(
-                SharedBlock(
-                    block.block_id,  # type: ignore[arg-type]
-                    record.block_hash,
-                    record.parent_hash,
-                    record.token_bytes,
-                    digest,
-                    record.depth,
-                )
-            )
-
-    # ------------------------------------------------------------ host tier
-
-    def _left_device(self, block: Block) -> None:
-        """`block` was just dropped from the device index without a copy (a flush): it
-        stays findable if the host tier holds it; otherwise it is gone, and so are its
-        host-only descendants."""
-        if self.host is None:
-            return
-        if block.host_block_id is not None:
-            self._now_host_only(block)
-        elif block.num_host_children:
-            self._drop_host_descendants(block)
-
-    def _times_seen(self, block: Block) -> int:
-        """Computed once plus hit since, fleet-wide when blockd counts sightings."""
+    def _worth_keeping(self, block: Block) -> bool:
+        """The admission rule of demotion and write-through: seen more than
+        `demote_min_hits` times (computed once plus hit since, fleet-wide when blockd
+        counts sightings)."""
         local = block.num_hits + 1
-        return local if self.sightings is None else max(local, self.sightings.count(block.block_hash))
+        seen = local if self.sightings is None else max(local, self.sightings.count(block.block_hash))
+        return seen > self.demote_min_hits
 
-    def _now_host_only(self, block: Block) -> None:
-        if block.parent is not None:
-            block.parent.num_host_children += 1
-
-    def _demote_chain(self, dropped: list[Block]) -> None:
-        """Blocks one eviction just dropped from the device, child first (`_drop_chain`).
-
-        1. Those the host tier holds turn host-only (no copy).
-        2. Child first, decide who is worth a copy: hit often enough, or a host-only
-           child (existing, or wanted in this chain) depends on it; unless another
-           record holds its hash in the host tier (one record per hash).
-        3. Every wanted block is counted as its parent's host-only child *before* any
-           host block is taken, so making room never evicts a block whose child is
-           about to be demoted (that child would be orphaned).
-        4. Parent first, copy the wanted ones whose parent is still findable; a block
-           that gets no copy is gone, and with it its host-only descendants."""
-        host = self.host
-        assert host is not None
-        pending = []
-        for block in dropped:
-            if block.host_block_id is not None:
-                self._now_host_only(block)
+    def _see_hits(self, hits: list[Block], found: list[tuple[LowerTier, list[Any]]]) -> None:
+        """An admission's hits are sightings: the pool's records (device, then the tier
+        holding records) at once, then each other tier's; a device hit may now be
+        worth keeping in a lower tier."""
+        sightings = self.sightings
+        assert sightings is not None
+        seen = [block.block_hash for block in hits]
+        others = []
+        for tier, tier_hits in found:
+            if tier.holds_records:
+                seen += [block.block_hash for block in tier_hits]
             else:
-                pending.append(block)
-        wanted: set[int] = set()
-        parents_wanted: set[int] = set()
-        for block in pending:  # child first
-            if block.block_hash in host.index:
-                continue
-            if (
-                self._times_seen(block) > self.demote_min_hits
-                or block.num_host_children
-                or id(block) in parents_wanted
-            ):
-                wanted.add(id(block))
-                if block.parent is not None:
-                    parents_wanted.add(id(block.parent))
-        for block in pending:
-            if id(block) in wanted:
-                self._now_host_only(block)
-        for block in reversed(pending):  # parent first
-            if id(block) in wanted:
-                parent = block.parent
-                findable = parent is None or parent.is_cached or parent.host_block_id is not None
-                host_block_id = self._take_host_block() if findable else None
-                if host_block_id is not None:
-                    host.place(block, host_block_id)
-                    self.demotions.append((block.block_id, host_block_id))  # type: ignore[arg-type]
-                    self._demoted.append(block)
-                    host.counters.num_demotions += 1
-                    continue
-                host.child_left(parent)  # no copy after all
-            if block.num_host_children:
-                self._drop_host_descendants(block)
+                others.append(tier_hits)
+        sightings.see(seen)
+        for tier_hits in others:
+            sightings.see([record.block_hash for record in tier_hits])
+        for tier in self.lower_tiers:
+            tier.hits_seen(hits)
 
-    def _take_host_block(self) -> HostBlockId | None:
-        """A free host block, else the one of the host tier's first leaf (evicted)."""
-        host = self.host
-        assert host is not None
-        if len(host.free):
-            return host.free.take(1)[0]  # type: ignore[return-value]
-        victim = host.leaves.pop()
-        if victim is None:
-            return None  # every host block is being loaded or holds a needed parent
-        host.counters.num_evictions += 1
-        return self._drop_host_copy(victim, give_back=False)
-
-    def _drop_host_copy(
-        self, block: Block, give_back: bool = True, pending_children: bool = False
-    ) -> HostBlockId:
-        """Drop `block`'s host copy (a host leaf, or a device-cached record): a host-only
-        record leaves the directory. Answers the host block (freed if `give_back`)."""
-        host = self.host
-        assert host is not None
-        host_block_id = host.remove(block)
-        self._host_dropped.append((block, host_block_id))
-        if not block.is_cached:
-            # Only children of the eviction under way, not copied yet, may still count
-            # (`_drop_host_descendants`): they will find their parent gone.
-            assert pending_children or block.num_host_children == 0, (
-                f"host-only {block} would orphan its children"
-            )
-            host.child_left(block.parent)
-        if give_back:
-            host.free.give([host_block_id])  # type: ignore[list-item]
-        return host_block_id
-
-    def _drop_host_descendants(self, root: Block) -> None:
-        """Rare: `root` left every tier while host-only descendants remain (the host tier
-        had no room for it, or a device-only flush took it). They could never be
-        reached again: drop them, deepest first. O(host tier)."""
-        host = self.host
-        assert host is not None
-        doomed = []
-        for record in host.index.values():
-            ancestor = record.parent
-            while ancestor is not None and ancestor is not root and not ancestor.is_cached:
-                ancestor = ancestor.parent
-            if ancestor is root and not record.is_cached:
-                doomed.append(record)
-        for record in sorted(doomed, key=_deepest_first):
-            assert record.host_refs == 0, "a load holds its parent chain, so root was not evictable"
-            self._drop_host_copy(record, pending_children=True)
-        # What may still count in root: children of the same eviction not copied yet,
-        # which then find root gone and take their count back.
-
-    def _emit_tier_events(self) -> None:
-        """The DEMOTED and host REMOVED events of the op that just ran."""
-        if self._host_dropped:
-            dropped, self._host_dropped = self._host_dropped, []
-            self._events.append(
-                EventKind.REMOVED,
-                self.pool_id,
-                tuple(b.block_hash for b, _ in dropped),
-                tuple(h for _, h in dropped),  # type: ignore[misc]
-                tier=Tier.HOST,
-            )
-        if self._demoted:
-            demoted, self._demoted = self._demoted, []
-            self._events.append(
-                EventKind.DEMOTED,
-                self.pool_id,
-                tuple(b.block_hash for b in demoted),
-                tuple(b.host_block_id for b in demoted),  # type: ignore[misc]
-                tier=Tier.HOST,
-            )
+    def _end_op(self) -> None:
+        """One op ended: each lower tier appends the events it caused (after the
+        device's own)."""
+        for tier in self.lower_tiers:
+            tier.end_op()
 
     def explain(
         self, prompt: Prompt, hits: list[Block], cache_policy: CachePolicy = CachePolicy.STORE
