@@ -145,9 +145,13 @@ class AdaptivePolicy:
     suffixes, and earn lives long enough to survive between their uses (LFU's gain).
     Until evictions have taught it otherwise (a prior of equal rates), it is LRU.
 
-    O(1) per priority and per event (NUM_CLASSES counters); the bonus table is
-    recomputed on each eviction. Entries already in the heap keep the bonus they were
-    pushed with: they are comparable with new ones because both are times."""
+    O(1) per priority and per event, whatever the number of classes: the decayed
+    counters are kept in inflated units (an event adds `scale` = DECAY^-n after n
+    evictions, so no counter is multiplied per eviction; they are scaled back once
+    `scale` passes RENORMALISE, every ~4.6M evictions), and the bonus table is
+    recomputed at most once per REFRESH evictions or after a return, when next read.
+    Entries already in the heap keep the bonus they were pushed with: they are
+    comparable with new ones because both are times."""
 
     name = "adaptive-ungated"
     NUM_CLASSES = 5  # uses 1, 2, 3, 4, 5+
@@ -157,17 +161,35 @@ class AdaptivePolicy:
     MAX_BONUS = 8.0  # horizons
     HORIZON_WINDOW = 64  # one-use victims averaged into `horizon`
     MIN_HORIZON = 16.0  # ticks: the unit of retention priority before a horizon is known
+    # Evictions between recomputations of the bonus table when no block returns. Without
+    # returns the table only drifts down (a class's rate loses at most REFRESH of its
+    # >= PRIOR evictions' weight), and the next return recomputes it at once. Recomputed at
+    # every eviction instead, the table took ~13% of blockd's time under
+    # `python -m bench.blockd_grpc` (py-spy; an admission there evicts a 128-block chain,
+    # and `takes_next` reads the table between evictions).
+    REFRESH = 64
+    RENORMALISE = 1e100
 
     def __init__(self) -> None:
         self.now = 0  # the latest release tick seen
         self.horizon = 0.0
-        self.evictions = [0.0] * self.NUM_CLASSES
-        self.returns = [0.0] * self.NUM_CLASSES
+        self._scale = 1.0  # DECAY^-n: the weight of an event now, in the counters' units
+        self._grow = 1 / self.DECAY
+        self._evictions = [0.0] * self.NUM_CLASSES  # inflated by `_scale`
+        self._returns = [0.0] * self.NUM_CLASSES
         self._bonus = [0.0] * self.NUM_CLASSES
-        # The bonus table as of the last eviction, recomputed when next read rather than
-        # at every eviction: an admission that evicts 128 blocks recomputed it 128 times,
-        # 15% of blockd's time under `python -m bench --only capacity` (py-spy).
-        self._stale = False
+        self._since = 0  # evictions since the table was computed
+        self._stale = False  # a return since, or REFRESH evictions
+
+    @property
+    def evictions(self) -> list[float]:
+        """Decayed evictions per use class (1, 2, 3, 4, 5+ uses)."""
+        return [e / self._scale for e in self._evictions]
+
+    @property
+    def returns(self) -> list[float]:
+        """Decayed ghost returns per use class."""
+        return [r / self._scale for r in self._returns]
 
     @property
     def bonus(self) -> list[float]:
@@ -180,38 +202,51 @@ class AdaptivePolicy:
         uses = block.num_seen + block.num_hits
         tick = block.last_tick
         self.now = max(self.now, tick)
-        value = tick + self.horizon * self.bonus[min(uses, self.NUM_CLASSES) - 1]
+        if self._stale:
+            self._update()
+        value = tick + self.horizon * self._bonus[min(5, uses) - 1]
         if block.retention:  # before the first evictions there is no horizon: a floor
             value += max(self.horizon, self.MIN_HORIZON) * math.log2(retention_weight(block))
         return (value, tick, uses)
 
     def evicted(self, priority: Priority) -> None:
         _, tick, uses = priority
-        cls = min(int(uses), self.NUM_CLASSES) - 1
-        evictions, returns, decay = self.evictions, self.returns, self.DECAY
-        for i in range(self.NUM_CLASSES):
-            evictions[i] *= decay
-            returns[i] *= decay
-        evictions[cls] += 1
-        if cls == 0:
+        scale = self._scale = self._scale * self._grow
+        if uses < 2:
+            self._evictions[0] += scale
             self.horizon += (self.now - tick - self.horizon) / self.HORIZON_WINDOW
-        self._stale = True
+        else:
+            self._evictions[min(5, uses) - 1] += scale
+        if scale > self.RENORMALISE:
+            self._renormalise()
+        self._since += 1
+        if self._since >= self.REFRESH:
+            self._stale = True
 
     def returned(self, num_uses: int) -> None:
-        if self._stale:  # the table as of the last eviction, as if computed then
-            self._update()
-        self.returns[min(num_uses, self.NUM_CLASSES) - 1] += 1
+        self._returns[min(num_uses, self.NUM_CLASSES) - 1] += self._scale
+        self._stale = True
+
+    def _renormalise(self) -> None:
+        scale = self._scale
+        self._evictions = [e / scale for e in self._evictions]
+        self._returns = [r / scale for r in self._returns]
+        self._scale = 1.0
 
     def _update(self) -> None:
         # Each class's rate is shrunk toward the one-use rate by PRIOR pseudo-evictions,
         # so a class with few evictions (little evidence) earns no bonus: measured,
         # this keeps the chat trace at lru's hit rate where a prior of 1/2 lost 2%.
-        base = (self.returns[0] + 1) / (self.evictions[0] + 2)
-        prior, margin, cap = self.PRIOR, self.MARGIN, self.MAX_BONUS
+        # In inflated units: PRIOR and the +1/+2 of the one-use rate scale with `scale`.
+        scale = self._scale
+        returns, evictions = self._returns, self._evictions
+        base = (returns[0] + scale) / (evictions[0] + 2 * scale)
+        prior, margin, cap = self.PRIOR * scale, self.MARGIN, self.MAX_BONUS
         self._bonus = [
             min(cap, max(0.0, math.log2((r + prior * base) / (e + prior) / base) - margin))
-            for r, e in zip(self.returns, self.evictions)
+            for r, e in zip(returns, evictions)
         ]
+        self._since = 0
         self._stale = False
 
 
@@ -257,7 +292,16 @@ class GatedPolicy:
         self.inner = AdaptivePolicy()
         self.gate = self.INITIAL_GATE  # horizons
         self._leader = self  # whose gate and horizon set the penalty (`follow`)
-        self.victims = [1.0, 1.0]  # decayed evictions: on probation, admitted
+        # decayed evictions, on probation and admitted, in inflated units (as the inner
+        # policy's counters: an eviction adds `_scale`, nothing is multiplied per eviction)
+        self._victims = [1.0, 1.0]
+        self._scale = 1.0
+        self._grow = 1 / self.DECAY
+
+    @property
+    def victims(self) -> list[float]:
+        """Decayed evictions: on probation, admitted."""
+        return [v / self._scale for v in self._victims]
 
     @property
     def penalty(self) -> float:
@@ -281,20 +325,23 @@ class GatedPolicy:
 
     def priority(self, block: Block) -> Priority:
         value, tick, uses = self.inner.priority(block)
-        if uses < 2 and self._leader.gate:
-            value -= self.penalty
+        if uses < 2:
+            leader = self._leader
+            if leader.gate:
+                value -= leader.gate * max(leader.inner.horizon, AdaptivePolicy.MIN_HORIZON)
         return (value, tick, uses)
 
     def evicted(self, priority: Priority) -> None:
         self.inner.evicted(priority)
-        victims, decay = self.victims, self.DECAY
-        victims[0] *= decay
-        victims[1] *= decay
-        victims[0 if priority[2] < 2 else 1] += 1
+        scale = self._scale = self._scale * self._grow
+        self._victims[0 if priority[2] < 2 else 1] += scale
+        if scale > AdaptivePolicy.RENORMALISE:
+            self._victims = [v / scale for v in self._victims]
+            self._scale = 1.0
 
     def returned(self, num_uses: int) -> None:
         self.inner.returned(num_uses)
-        on_probation, admitted = self.victims
+        on_probation, admitted = self._victims
         if num_uses < 2:
             self.gate = max(0.0, self.gate - self.STEP * max(1.0, admitted / on_probation))
         else:

@@ -121,7 +121,10 @@ class GhostTable:
         self.capacity = capacity
         self._clock = clock
         self._on_return = on_return  # the policy's `returned`: a ghost came back
-        self._ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
+        # hash -> (cause, at, num_uses): a Ghost is built only when one is asked for (a
+        # tuple per evicted block, not a frozen dataclass: `remember` runs once per
+        # eviction, bench.blockd_grpc evicts a 128-block chain per admission)
+        self._ghosts: OrderedDict[BlockHash, tuple[str, float, int]] = OrderedDict()
         self.salted: dict[BlockHash, int] = {}
         # Every hash that left, for far longer than the ghosts (hash only, approximate).
         self.keys = KeyMemory(int(KEYS_PER_GHOST * capacity))
@@ -138,31 +141,42 @@ class GhostTable:
         return block_hash in self._ghosts
 
     def get(self, block_hash: BlockHash) -> Ghost | None:
-        return self._ghosts.get(block_hash)
+        entry = self._ghosts.get(block_hash)
+        return Ghost(*entry) if entry is not None else None
 
     def remember(self, hashes_and_uses: list[tuple[BlockHash, int]], cause: str) -> None:
         """Blocks that just left the index (or were never stored), oldest first."""
         if not self.capacity:
             return
-        ghosts, keys = self._ghosts, self.keys
+        ghosts = self._ghosts
+        pop = ghosts.pop
         now = self._clock()
         for block_hash, num_uses in hashes_and_uses:
-            ghosts.pop(block_hash, None)  # refresh: it moves to the young end
-            ghosts[block_hash] = Ghost(cause, now, num_uses)
-            keys.add(block_hash)
-        while len(ghosts) > self.capacity:
-            ghosts.popitem(last=False)
+            pop(block_hash, None)  # refresh: it moves to the young end
+            ghosts[block_hash] = (cause, now, num_uses)
+        self.keys.add_many([block_hash for block_hash, _ in hashes_and_uses])
+        excess = len(ghosts) - self.capacity
+        if excess > 0:
+            popitem = ghosts.popitem
+            for _ in range(excess):
+                popitem(last=False)
 
     def recall(self, block_hash: BlockHash) -> int:
         """A block with this hash is indexed again: forget its ghost, answer the uses
         it remembered: the ghost's count, else 1 when only the key memory still knows
         the hash (seen before, how often forgotten), else 0."""
-        ghost = self._ghosts.pop(block_hash, None)
-        if ghost is None:
+        entry = self._ghosts.pop(block_hash, None)
+        if entry is None:
             return 1 if block_hash in self.keys else 0
-        if self._on_return is not None and ghost.reason is MissReason.EVICTED:
-            self._on_return(ghost.num_uses)
-        return ghost.num_uses
+        cause, _, num_uses = entry
+        # Every victim of the policy that returns teaches it (EVICTED and NOT_ADMITTED
+        # alike: the gate opens on probation victims' returns); a flush or cache_policy
+        # is no verdict on the policy. Teaching only EVICTED ghosts left the gate unable to
+        # open once NOT_ADMITTED became a reason of its own (0.54-0.76x lru on the
+        # conversation trace, bench.eviction_quality).
+        if self._on_return is not None and cause != FLUSH and cause != NOT_STORED:
+            self._on_return(num_uses)
+        return num_uses
 
     def add_salted(self, salt_free_hash: BlockHash) -> None:
         self.salted[salt_free_hash] = self.salted.get(salt_free_hash, 0) + 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from blockd.admission import BYTES_PER_KEY, KeyMemory
 from blockd.block import Block
 from blockd.eviction import DEFAULT_POLICY, AdaptivePolicy, GatedPolicy
@@ -190,3 +192,60 @@ def test_a_host_tier_decides_with_the_device_pools_gate():
     assert host.priority(one_off) < host.priority(reused)
     assert not admits(host, one_off) and admits(host, reused)
     assert admits(make_policy("lru"), one_off)  # no gate: no refusal
+
+
+def test_a_probation_victim_that_returns_opens_the_gate():
+    # a NOT_ADMITTED ghost is still the policy's victim: its return must teach the gate
+    policy = GatedPolicy()
+    policy.gate = GatedPolicy.MAX_PENALTY
+    ghosts = GhostTable(10, lambda: 0.0, policy.returned)
+    one_off, flushed = b"p" * 16, b"f" * 16
+    ghosts.remember([(one_off, 1)], GatedPolicy.name)
+    ghosts.remember([(flushed, 1)], "flush")
+    assert ghosts.get(one_off).reason is MissReason.NOT_ADMITTED
+    assert ghosts.recall(one_off) == 1
+    assert policy.gate < GatedPolicy.MAX_PENALTY
+    gate = policy.gate
+    assert ghosts.recall(flushed) == 1  # a flush says nothing about the policy
+    assert policy.gate == gate
+
+
+def test_decayed_counters_in_inflated_units_match_per_eviction_decay():
+    policy = AdaptivePolicy()
+    evictions, returns = [0.0] * 5, [0.0] * 5
+    rng = random.Random(3)
+    for i in range(30_000):
+        uses = rng.choice((1, 1, 1, 2, 3, 7))
+        policy.evicted((float(i), i, uses))
+        evictions = [e * AdaptivePolicy.DECAY for e in evictions]
+        returns = [r * AdaptivePolicy.DECAY for r in returns]
+        evictions[min(uses, 5) - 1] += 1
+        if rng.random() < 0.1:
+            policy.returned(uses)
+            returns[min(uses, 5) - 1] += 1
+    assert policy.evictions == [pytest.approx(e, rel=1e-9) for e in evictions]
+    assert policy.returns == [pytest.approx(r, rel=1e-9) for r in returns]
+    policy._scale = AdaptivePolicy.RENORMALISE  # the next eviction renormalises
+    before = policy.evictions
+    policy.evicted((0.0, 0, 1))
+    assert policy._scale == 1.0
+    assert policy.evictions[1:] == [pytest.approx(e * AdaptivePolicy.DECAY, rel=1e-9) for e in before[1:]]
+
+
+def test_the_bonus_table_is_recomputed_after_a_return_or_refresh_evictions():
+    policy = AdaptivePolicy()
+    for i in range(2_000):
+        policy.evicted((float(i), i, 1 if i % 2 else 3))
+        if i % 2 == 0 and i % 10 == 0:
+            policy.returned(3)
+    assert policy.bonus[2] > 0  # 3-use victims return, one-use victims never
+    fresh = AdaptivePolicy()
+    fresh._evictions, fresh._returns, fresh._scale = policy._evictions, policy._returns, policy._scale
+    fresh._update()
+    assert policy.bonus == fresh._bonus  # read after a return: up to date
+    table = list(policy.bonus)
+    for i in range(AdaptivePolicy.REFRESH - 1):
+        policy.evicted((0.0, 0, 3))
+    assert policy.bonus == table  # fewer than REFRESH evictions, no return: the same table
+    policy.evicted((0.0, 0, 3))
+    assert policy.bonus != table  # the REFRESH-th: recomputed (3-use victims without returns)
