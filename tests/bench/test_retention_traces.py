@@ -13,6 +13,7 @@ from bench.retention_traces import (
     make_few_shot_trace,
     make_session_trace,
 )
+from bench.trace_statistics import trace_statistics
 
 
 def _block_uses(prompts: list[list[int]]) -> Counter[int]:
@@ -61,3 +62,23 @@ def test_few_shot_trace_reuses_every_block():
     uses = _block_uses(trace.prompts)
     assert sum(1 for n in uses.values() if n == 1) / len(uses) < 0.01
     assert len(set(map(tuple, trace.prompts))) <= 48 * 12
+
+
+def test_conversation_trace_matches_the_published_statistics():
+    # issue 44's production conversation trace: ~76% one-off blocks, median reuse gap
+    # ~6,000 blocks (longer than a 2% pool), twice-used blocks ~42% of hits
+    stats = trace_statistics(make_session_trace(conversation_spec(4_000)).prompts, 16)  # the benchmark's size
+    assert 0.72 < stats.one_off_share < 0.80
+    assert stats.median_reuse_gap is not None and 5_000 < stats.median_reuse_gap < 7_000
+    assert stats.median_reuse_gap > 0.02 * stats.num_distinct
+    assert 0.38 < stats.twice_used_hit_share < 0.46
+
+
+def test_trace_statistics_count_one_offs_gaps_and_twice_used_hits():
+    a, b, c = [1] * 16, [2] * 16, [3] * 16
+    # blocks: a (3 uses), a+b (2 uses), a+c (1 use); requests of blocks: 0 1 | 2 3 | 4 5
+    stats = trace_statistics([a + b, a + b, a + c], 16)
+    assert stats.num_distinct == 3 and stats.num_requests == 6
+    assert stats.one_off_share == 1 / 3
+    assert stats.median_reuse_gap == 2  # a: 0->2->4, a+b: 1->3
+    assert stats.twice_used_hit_share == 1 / 3  # hits: a twice, a+b once
