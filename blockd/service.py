@@ -179,6 +179,24 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
     @unary
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         self._auth.check(context.invocation_metadata())
+        return self._step(request)
+
+    async def StepStream(
+        self, requests: AsyncIterator[pb.StepStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepStreamResponse]:
+        """`Step`, request after request on one stream; the first refused Step ends the
+        stream with the status `Step` would answer (the status table is `_abort`'s)."""
+        try:
+            self._auth.check(context.invocation_metadata())
+            async for request in requests:
+                _reject_malformed(request)
+                yield pb.StepStreamResponse(step=self._step(request.step))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure must become a status
+            await _abort(context, "StepStream", exc)
+
+    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         commits, releases, grows, admits = messages.step_ops_from(request)
         result = self._directory.step(
             PoolId(request.pool_id),
@@ -404,11 +422,11 @@ def add_service(servicer: Any, server: grpc.aio.Server, service_name: str) -> No
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        factory = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=_lenient(request_cls),

@@ -73,6 +73,18 @@ class Namespace(_message.Message):
     adapter_id: str
     def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
+class StepStreamRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepRequest
+    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+
+class StepStreamResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepResponse
+    def __init__(self, step: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...
+
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("num_blocks", "block_size", "namespace", "worker_address", "pool_id", "pool_token", "num_host_blocks", "host_load_seconds_per_block", "prefill_seconds_per_token", "has_shared_tier", "shared_load_seconds_per_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
