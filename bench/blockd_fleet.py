@@ -6,7 +6,8 @@ admissions a second between them (prompts of 128..1,024 tokens, the first 256 sh
 by the 8 apps of the fleet, sent packed), the commits of each admission's prefill by
 block index in the next Step, a grow whenever a decoding sequence starts a block and
 the commit of each block it fills (with its tokens), and the release after 64..256
-generated tokens. The clients run in `CLIENT_PROCESSES` processes (one Python process
+generated tokens. Workers send their Steps on a `StepStream` each, as computed does; the
+one-process runs are repeated with unary `Step` calls to show the stream's gain. The clients run in `CLIENT_PROCESSES` processes (one Python process
 cannot write 4,480 Steps a second); workers are assigned to shards round robin.
 
 Two loads, each against one blockd and against `NUM_SHARDS` shards (one process each):
@@ -47,6 +48,7 @@ POOL_BLOCKS = 8192
 SHARED_PREFIX = 256
 NUM_APPS = 8
 STEP_METHOD = "/kvcache.v1.BlockDirectoryService/Step"
+STREAM_METHOD = "/kvcache.v1.BlockDirectoryService/StepStream"
 
 
 class Sequence:
@@ -128,7 +130,9 @@ class SimulatedWorker:
                 self.num_admitted += 1
 
 
-async def _worker(address: str, index: int, stop_at: float, period: float | None, latencies: list) -> tuple:
+async def _worker(
+    address: str, index: int, stop_at: float, period: float | None, latencies: list, stream: bool
+) -> tuple:
     async with grpc.aio.insecure_channel(address) as channel:
         pool = await pb_grpc.BlockDirectoryServiceStub(channel).RegisterPool(
             pb.RegisterPoolRequest(
@@ -138,11 +142,22 @@ async def _worker(address: str, index: int, stop_at: float, period: float | None
                 worker_address=f"gpu-{index}:1",
             )
         )
-        step = channel.unary_unary(
-            STEP_METHOD,
-            request_serializer=pb.StepRequest.SerializeToString,
-            response_deserializer=pb.StepResponse.FromString,
-        )
+        if stream:
+            call = channel.stream_stream(
+                STREAM_METHOD,
+                request_serializer=pb.StepStreamRequest.SerializeToString,
+                response_deserializer=pb.StepStreamResponse.FromString,
+            )()
+
+            async def step(request: pb.StepRequest) -> pb.StepResponse:
+                await call.write(pb.StepStreamRequest(step=request))
+                return (await call.read()).step
+        else:
+            step = channel.unary_unary(
+                STEP_METHOD,
+                request_serializer=pb.StepRequest.SerializeToString,
+                response_deserializer=pb.StepResponse.FromString,
+            )
         worker = SimulatedWorker(index, pool)
         num_steps = 0
         scheduled = time.perf_counter() + (random.Random(index).random() * period if period else 0.0)
@@ -160,29 +175,35 @@ async def _worker(address: str, index: int, stop_at: float, period: float | None
             latencies.append(time.perf_counter() - start)
             worker.take(request, reply)
             num_steps += 1
+        if stream:
+            await call.done_writing()
         return num_steps, worker.num_admitted
 
 
 def _client_process(
-    addresses: list[str], indexes: list[int], seconds: float, period: float | None, out
+    addresses: list[str], indexes: list[int], seconds: float, period: float | None, stream: bool, out
 ) -> None:
     async def run() -> tuple:
         latencies: list[float] = []
         start = time.monotonic()
         counts = await asyncio.gather(
-            *(_worker(addresses[i % len(addresses)], i, start + seconds, period, latencies) for i in indexes)
+            *(
+                _worker(addresses[i % len(addresses)], i, start + seconds, period, latencies, stream)
+                for i in indexes
+            )
         )
         return sum(c[0] for c in counts), sum(c[1] for c in counts), latencies, time.monotonic() - start
 
     out.put(asyncio.run(run()))
 
 
-def _load(addresses: list[str], seconds: float, period: float | None) -> dict:
+def _load(addresses: list[str], seconds: float, period: float | None, stream: bool = True) -> dict:
     context = mp.get_context("spawn")
     out = context.Queue()
     groups = [list(range(p, NUM_WORKERS, CLIENT_PROCESSES)) for p in range(CLIENT_PROCESSES)]
     procs = [
-        context.Process(target=_client_process, args=(addresses, g, seconds, period, out)) for g in groups
+        context.Process(target=_client_process, args=(addresses, g, seconds, period, stream, out))
+        for g in groups
     ]
     for proc in procs:
         proc.start()
@@ -219,10 +240,16 @@ def main(quick: bool = False) -> dict:
                 for mode, period in (("open", 1.0 / STEPS_PER_S), ("closed", None)):
                     for key, value in _load(addresses, seconds, period).items():
                         figures[f"{name}_{mode}_{key}"] = value
+                    if name == "one":  # the same load as unary Step calls, for the stream's gain
+                        for key, value in _load(addresses, seconds, period, stream=False).items():
+                            figures[f"unary_{mode}_{key}"] = value
             finally:
                 for proc, _ in daemons:
                     proc.terminate()
                     proc.wait(30)
+    figures["stream_over_unary_closed_steps"] = round(
+        figures["one_closed_steps_per_s"] / figures["unary_closed_steps_per_s"], 2
+    )
     figures["sharded_over_one_closed_steps"] = round(
         figures["sharded_closed_steps_per_s"] / figures["one_closed_steps_per_s"], 2
     )
@@ -237,6 +264,11 @@ def main(quick: bool = False) -> dict:
             f"{figures[f'{name}_open_step_p50_ms']} ms, p99 {figures[f'{name}_open_step_p99_ms']} ms; "
             f"closed loop {figures[f'{name}_closed_steps_per_s']} Steps/s"
         )
+    print(
+        f"  one blockd, unary Step calls instead of StepStream: open loop Step p99 "
+        f"{figures['unary_open_step_p99_ms']} ms, closed loop {figures['unary_closed_steps_per_s']} Steps/s "
+        f"(stream / unary = {figures['stream_over_unary_closed_steps']}x)"
+    )
     print(f"  sharded / one (closed loop Steps/s) = {figures['sharded_over_one_closed_steps']}x")
     return figures
 
