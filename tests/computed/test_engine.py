@@ -247,6 +247,7 @@ def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window:
 
         def counted(inp):
             rows.append(inp.num_chunks)
+            time.sleep(0.005)  # a burst's first request is still in flight when the others land
             return forward(inp)
 
         engine.runner.run = counted
@@ -258,7 +259,8 @@ def test_a_burst_of_requests_starts_in_one_step(tiny_models: TinyModels, window:
                 tasks = []
                 for i in range(3 if burst < 2 else 1):  # distinct first blocks: none waits for a prefix
                     prompt = [40 + 3 * burst + i, *PROMPT[1:]]
-                    tasks.append(asyncio.create_task(generate(engine, prompt, max_tokens=2)))
+                    max_tokens = 16 if burst < 2 else 2
+                    tasks.append(asyncio.create_task(generate(engine, prompt, max_tokens=max_tokens)))
                     await asyncio.sleep(0.02)
                 await asyncio.gather(*tasks)
                 await settle(engine)
@@ -284,6 +286,7 @@ def test_a_burst_as_big_as_the_last_starts_without_a_quiet_spell(tiny_models: Ti
 
         def timed(inp):
             started.append(time.monotonic())
+            time.sleep(0.005)  # the burst's first request is still in flight when the others land
             return forward(inp)
 
         engine.runner.run = timed
@@ -294,7 +297,7 @@ def test_a_burst_as_big_as_the_last_starts_without_a_quiet_spell(tiny_models: Ti
                 tasks = []
                 for i in range(3):
                     prompt = [60 + 3 * burst + i, *PROMPT[1:]]
-                    tasks.append(asyncio.create_task(generate(engine, prompt, max_tokens=2)))
+                    tasks.append(asyncio.create_task(generate(engine, prompt, max_tokens=16)))
                     sent = time.monotonic()
                     await asyncio.sleep(0.02)
                 await asyncio.gather(*tasks)
@@ -305,6 +308,38 @@ def test_a_burst_as_big_as_the_last_starts_without_a_quiet_spell(tiny_models: Ti
 
     waited = asyncio.run(run())
     assert waited < 0.05, f"the full burst waited {waited * 1e3:.0f} ms for more"
+
+
+def test_requests_sent_one_after_another_never_wait(tiny_models: TinyModels) -> None:
+    """A client that sends each request when the last one's answer came back is not a burst,
+    however soon it sends: with a window of 300 ms, each request's first forward starts at
+    once, not after a quiet spell of 75 ms (each request here is over well within the
+    window, so the old rule took the next one as the first one's company)."""
+
+    async def run() -> list[float]:
+        engine, _ = build(tiny_models, admission_window=0.3)
+        started: list[float] = []
+        forward = engine.runner.run
+
+        def timed(inp):
+            started.append(time.monotonic())
+            return forward(inp)
+
+        engine.runner.run = timed
+        waits = []
+        await engine.start()
+        try:
+            for i in range(4):
+                started.clear()
+                sent = time.monotonic()
+                await generate(engine, [80 + i, *PROMPT[1:]], max_tokens=1)
+                waits.append(started[0] - sent)
+        finally:
+            await engine.stop(drain_seconds=1)
+        return waits
+
+    waits = asyncio.run(run())
+    assert max(waits) < 0.05, f"sequential requests waited {[round(w * 1e3) for w in waits]} ms"
 
 
 def test_no_gathering_without_a_waiting_request(tiny_models: TinyModels) -> None:
