@@ -151,9 +151,10 @@ class Scheduler:
         """Running sequences whose table cannot hold one token more than they have. This
         step writes at most up to the newest token (a fully cached prompt writes nothing):
         short of that the grow is urgent; the slot after it lets the next decode run
-        without waiting on blockd. With `decode_steps` > 1 the table is grown two bursts
-        ahead, 2 * decode_steps - 1 slots past the newest token (never past the last slot
-        the sequence can write, its prompt plus max_tokens less one): a grow asked now
+        without waiting on blockd. Never past the last slot the sequence can write (its
+        prompt plus max_tokens less one: none after the prompt's for max_tokens 1). With
+        `decode_steps` > 1 the table is grown two bursts ahead, 2 * decode_steps - 1 slots
+        past the newest token: a grow asked now
         lands after this step's forward, so it must already cover the next burst. Grown
         one burst ahead, any sequence nearing the end of a block cut the whole batch's
         burst short (bursts of 8, 6, 8, 8, 1, 8, 7, 2, ... in `bench.peer`'s shared
@@ -163,10 +164,12 @@ class Scheduler:
         ahead = 2 * self.config.decode_steps - 1
         for seq in self.running:
             needed_now, capacity = len(seq.token_ids), len(seq.block_table) * seq.block_size
-            wanted = needed_now + 1
-            if ahead > 1:
-                last_slot = seq.num_prompt_tokens + seq.params.max_tokens - 1
-                wanted = max(wanted, min(needed_now + ahead, last_slot))
+            # Never past the last slot it can write: a request for one token grows nothing.
+            # (Its prefill sent blockd a grow for a slot no token would ever use: one more
+            # Step during its time to first token, its reply waking both daemons' threads on
+            # the cores the forward ran on, and one more block to release after it.)
+            last_slot = seq.num_prompt_tokens + seq.params.max_tokens - 1
+            wanted = max(needed_now, min(needed_now + ahead, last_slot))
             wanted = min(wanted, limit)
             if capacity < wanted:
                 grows.append(GrowOp(seq.sequence_id, wanted, is_urgent=capacity < needed_now))

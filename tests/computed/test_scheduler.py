@@ -51,6 +51,7 @@ class Harness:
         self.num_forwards = 0
         self.num_iterations = 0  # iterations that ran a forward
         self.max_table = 0  # the most blocks any sequence's table held
+        self.num_grows = 0  # grows sent to blockd
         self._ids = 0
 
     def add(self, prompt: list[int], max_tokens: int, salt: str = "") -> Sequence:
@@ -66,6 +67,7 @@ class Harness:
         return seq
 
     def step_directory(self, ops: DirectoryOps) -> DirectoryResult:
+        self.num_grows += len(ops.grows)
         res = self.directory.step(
             self.pool_id,
             self.epoch,
@@ -302,6 +304,20 @@ def test_slots_are_never_grown_past_the_last_a_sequence_can_write():
     h.run()
     assert seq.completion_token_ids == reference(prompt, 3)
     assert h.max_table == 3
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_a_request_for_one_token_grows_nothing(decode_steps):
+    """A prompt that fills its blocks, asking for one token: that token is never fed, so no
+    slot is grown for it (a grow sent alongside the prefill, during its time to first token).
+    Asking for two, the first is fed: one grow, one block more."""
+    prompt = rand_prompt(random.Random(14), 4 * 4)
+    for max_tokens, grows, table in ((1, 0, 4), (2, 1, 5)):
+        h = Harness(num_blocks=64, decode_steps=decode_steps)
+        seq = h.add(prompt, max_tokens)
+        h.run()
+        assert seq.completion_token_ids == reference(prompt, max_tokens)
+        assert (h.num_grows, h.max_table) == (grows, table), max_tokens
 
 
 def test_preemption_happens_and_hits_its_own_blocks():
