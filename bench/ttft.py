@@ -3,8 +3,11 @@
 For each prefix length and repetition: a fresh random prefix; cold = the first request
 with it; warm = the same prefix + 64 different tokens, sent after the cold one finished
 (its prefix blocks are committed). One request at a time, max_tokens=1; TTFT is timed
-by the client (call -> first token). computed runs with --max-num-batched-tokens 8192
-so a 4K prefill is one chunk.
+by the client (call -> first token); the warm request's TTFT inside computed (arrival
+to first token, its usage) is shown beside it, the rest being gRPC both ways. computed
+runs with --max-num-batched-tokens 8192 so a 4K prefill is one chunk. The 4,096-token
+row is repeated on the tests' tiny model (tests/models.py: 3 layers, hidden 64), whose
+forward is a few ms: there the TTFT is mostly what is not the model.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from bench.context import BenchContext
 from bench.driver import generate_one
 from bench.report import BenchResult, Figure, Goal, median
 from bench.stack import Stack
-from bench.workloads import shared_prefix_prompts, unrelated_prompts
+from bench.workloads import VOCAB, shared_prefix_prompts, unrelated_prompts
 from clients.aio_client import AsyncComputedClient
+from tools.tiny_models import make_tiny_model
 
 TITLE = "2. TTFT warm ÷ cold"
 
 NEW_TOKENS = 64
 GOAL_AT_4K = 0.05
+TINY_VOCAB = 512  # tools/tiny_models.py's vocabulary
 
 
 def run(ctx: BenchContext) -> BenchResult:
@@ -30,43 +35,67 @@ def run(ctx: BenchContext) -> BenchResult:
     args = ("--max-num-batched-tokens", "8192", "--num-blocks", "4096")
     with Stack(ctx.scratch("ttft"), *args, threads=ctx.threads) as stack:
         samples = asyncio.run(_measure(stack.computed_address, sizes, repeats))
-    rows = []
-    for size in sizes:
-        cold = [c for c, _ in samples[size]]
-        warm = [w for _, w in samples[size]]
-        rows.append((size, median(cold), median(warm), median(w / c for c, w in samples[size])))
+    tiny_size = max(sizes)
+    tiny_model = make_tiny_model(ctx.scratch("ttft-tiny") / "llama", "llama", max_position_embeddings=8192)
+    with Stack(ctx.scratch("ttft-tiny"), *args, model=tiny_model, threads=ctx.threads) as stack:
+        tiny = asyncio.run(_measure(stack.computed_address, [tiny_size], repeats, TINY_VOCAB))[tiny_size]
+    rows = [(f"{size:,} + {NEW_TOKENS}", _row(samples[size])) for size in sizes]
+    rows.append((f"{tiny_size:,} + {NEW_TOKENS}, tiny model", _row(tiny)))
     figures = []
-    for size, cold, warm, ratio in rows:
+    for size, (_, (_, _, _, ratio)) in zip(sizes, rows):
         goal = Goal("<=", GOAL_AT_4K) if size == 4096 else None
         figures.append(Figure(f"TTFT warm ÷ cold, {size}-token prefix", round(ratio, 4), "", goal))
-    table = ["| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm ÷ cold |", "|---|---|---|---|"]
+    figures.append(
+        Figure(f"TTFT warm ÷ cold, {tiny_size}-token prefix, tiny model", round(rows[-1][1][3], 4))
+    )
+    table = [
+        "| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm, inside computed (ms) | warm ÷ cold |",
+        "|---|---|---|---|---|",
+    ]
     table += [
-        f"| {size:,} + {NEW_TOKENS} | {cold * 1e3:.1f} | {warm * 1e3:.1f} | {ratio:.4f} |"
-        for size, cold, warm, ratio in rows
+        f"| {name} | {cold * 1e3:.1f} | {warm * 1e3:.1f} | {inside * 1e3:.1f} | {ratio:.4f} |"
+        for name, (cold, warm, inside, ratio) in rows
     ]
     plot = "ttft_warm_over_cold.png"
-    _plot(rows, ctx.plot_dir / plot)
+    _plot([(size, *row[:2], row[3]) for size, (_, row) in zip(sizes, rows)], ctx.plot_dir / plot)
     details = (
         f"Prefix lengths {', '.join(map(str, sizes))} + {NEW_TOKENS} new tokens; {repeats} fresh "
         f"prefixes per length, medians (the ratio is the median of per-prefix ratios); default "
-        f"model; computed `{' '.join(args)}`.\n\n" + "\n".join(table)
+        f"model, and the tests' tiny llama (3 layers, hidden 64, 8,192 positions) at "
+        f'{tiny_size:,}; computed `{" ".join(args)}`. "inside computed": the warm request\'s '
+        f"arrival to its first token as computed times it (its usage); the rest of its TTFT is "
+        f"gRPC both ways and the client.\n\n" + "\n".join(table)
     )
     return BenchResult("ttft", TITLE, figures, details, [plot])
 
 
-async def _measure(address: str, sizes: list[int], repeats: int) -> dict[int, list[tuple[float, float]]]:
+def _row(samples: list[tuple[float, float, float]]) -> tuple[float, float, float, float]:
+    """Medians of cold, warm and warm inside computed, and of the per-prefix warm ÷ cold."""
+    return (
+        median(c for c, _, _ in samples),
+        median(w for _, w, _ in samples),
+        median(i for _, _, i in samples),
+        median(w / c for c, w, _ in samples),
+    )
+
+
+async def _measure(
+    address: str, sizes: list[int], repeats: int, vocab: int = VOCAB
+) -> dict[int, list[tuple[float, float, float]]]:
+    """Per size, per repetition: (cold TTFT, warm TTFT, warm TTFT inside computed)."""
     async with AsyncComputedClient(address) as client:
-        for prompt in unrelated_prompts(98, 2, max(sizes) + NEW_TOKENS):  # warm-up: largest shapes
+        for prompt in unrelated_prompts(98, 2, max(sizes) + NEW_TOKENS, vocab):  # warm-up: largest shapes
             await generate_one(client, prompt, 1)
-        samples: dict[int, list[tuple[float, float]]] = {size: [] for size in sizes}
+        samples: dict[int, list[tuple[float, float, float]]] = {size: [] for size in sizes}
         for rep in range(repeats):
             for size in sizes:  # interleaved, so noise spreads over every size
-                cold_prompt, warm_prompt = shared_prefix_prompts(10_000 * rep + size, 2, size, NEW_TOKENS)
+                seed = 10_000 * rep + size
+                cold_prompt, warm_prompt = shared_prefix_prompts(seed, 2, size, NEW_TOKENS, vocab)
                 cold = await generate_one(client, cold_prompt, 1)
                 warm = await generate_one(client, warm_prompt, 1)
                 assert cold.cached_tokens == 0, f"a fresh prefix hit {cold.cached_tokens} tokens"
                 assert warm.cached_tokens >= size - size % 16, f"warm hit only {warm.cached_tokens}"
-                samples[size].append((cold.ttft_s, warm.ttft_s))
+                samples[size].append((cold.ttft_s, warm.ttft_s, warm.server_ttft_s))
         return samples
 
 
