@@ -305,7 +305,12 @@ def test_client_cancels_while_blockd_is_down(tmp_path: Path, tiny_model: Path) -
         for call in calls:
             next(call)
         stack.blockd.kill()
-        time.sleep(0.5)  # the worker notices and starts recovering with these 4 sequences live
+        # The worker notices at its next Step (after the decode burst under way, if any)
+        # and starts recovering with these 4 sequences live: its first retry says so.
+        deadline = time.monotonic() + 30
+        while "blockd_recovery_retry" not in stack.computed.log():
+            assert time.monotonic() < deadline, "computed never started recovering"
+            time.sleep(0.02)
         for call in calls:
             call.cancel()
         time.sleep(0.3)
