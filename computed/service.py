@@ -303,11 +303,11 @@ def add_service(servicer: Any, server: grpc.aio.Server, service_name: str) -> No
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        factory = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=_lenient(request_cls),
