@@ -246,10 +246,8 @@ class BlockDirectory:
     def load_shared(self, seed: BlockHash, records: Seq[SharedRecord]) -> int:
         """Records of one namespace read back from the store (blockd's start-up rebuild);
         answers how many became findable."""
-        shared = self.shared.index_for(seed)
-        num = shared.load(records)
-        self._shared_removed(shared.forgotten)
-        shared.forgotten = []
+        num, forgotten = self.shared.index_for(seed).load(records)
+        self._shared_removed(forgotten)
         return num
 
     def pin(

@@ -127,7 +127,6 @@ class SharedIndex:
         self.pending: dict[BlockHash, PendingStore] = {}
         self.max_blocks = max_blocks
         self.num_forgotten = 0  # records dropped to stay within max_blocks
-        self.forgotten: list[SharedRecord] = []  # since the directory last drained it (events)
         self._hasher = hasher
 
     def __len__(self) -> int:
@@ -180,9 +179,12 @@ class SharedIndex:
         assert not self.is_known(record.block_hash), "one record per hash"
         self.pending[record.block_hash] = PendingStore(record, pool_id, parent_identity)
 
-    def confirm(self, pool_id: PoolId, block_hashes: Iterable[BlockHash]) -> list[SharedRecord]:
+    def confirm(
+        self, pool_id: PoolId, block_hashes: Iterable[BlockHash]
+    ) -> tuple[list[SharedRecord], list[SharedRecord]]:
         """The pool's writes of these blocks completed: each becomes resident when its
-        parent is (checked parent first); answers the records that did."""
+        parent is (checked parent first); answers the records that did, and those
+        the index forgot to stay within its bound."""
         stores = [self.pending.get(h) for h in block_hashes]
         mine = [s for s in stores if s is not None and s.pool_id == pool_id]
         for store in mine:
@@ -202,8 +204,7 @@ class SharedIndex:
                 parent = None
             self._place(record, parent)
             resident.append(record)
-        self._keep_within_bounds()
-        return resident
+        return resident, self._keep_within_bounds()
 
     def fail(self, pool_id: PoolId, block_hashes: Iterable[BlockHash]) -> int:
         num = 0
@@ -240,10 +241,10 @@ class SharedIndex:
         ]
         return self.drop([r.block_hash for r in sorted(matching, key=lambda r: r.depth)])
 
-    def load(self, records: Iterable[SharedRecord]) -> int:
+    def load(self, records: Iterable[SharedRecord]) -> tuple[int, list[SharedRecord]]:
         """Records read back from the store (a rebuild): linked by parent hash, parent
         first; a record whose parent is not resident is left out. Answers how many
-        became resident."""
+        became resident, and the records the index forgot to stay within its bound."""
         num = 0
         for record in sorted(records, key=lambda r: r.depth):
             if record.block_hash in self.index:
@@ -258,8 +259,7 @@ class SharedIndex:
             self.pending.pop(record.block_hash, None)
             self._place(record, parent)
             num += 1
-        self._keep_within_bounds()
-        return num
+        return num, self._keep_within_bounds()
 
     # ------------------------------------------------------------ private helpers
 
@@ -272,13 +272,17 @@ class SharedIndex:
                 record.chain_salt_digest = parent.chain_salt_digest
         self.index[record.block_hash] = record
 
-    def _keep_within_bounds(self) -> None:
+    def _keep_within_bounds(self) -> list[SharedRecord]:
+        """Forget the least recently used records (and their descendants) past the
+        bound; answers them (a REMOVED event's worth)."""
         index = self.index
+        forgotten: list[SharedRecord] = []
         while len(index) > self.max_blocks:
             dropped: list[SharedRecord] = []
             self._remove_subtree(next(iter(index.values())), dropped)
             self.num_forgotten += len(dropped)
-            self.forgotten += dropped
+            forgotten += dropped
+        return forgotten
 
     def _remove_subtree(self, root: SharedRecord, dropped: list[SharedRecord]) -> None:
         stack = [root]

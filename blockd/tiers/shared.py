@@ -92,15 +92,13 @@ class SharedLevel(LowerTier):
         shared, counters = self.index, self.counters
         if reports.shared_written:
             written = [BlockHash(bytes(h)) for h in reports.shared_written]
-            resident = shared.confirm(self.pool_id, written)
+            resident, forgotten = shared.confirm(self.pool_id, written)
             counters.num_stores += len(resident)
             if resident:
                 self._events.append(
                     EventKind.DEMOTED, self.pool_id, tuple(r.block_hash for r in resident), tier=Tier.SHARED
                 )
-        if shared.forgotten:  # the index outgrew its bound
-            forgotten, shared.forgotten = shared.forgotten, []
-            removed_event(self._events, forgotten)
+            removed_event(self._events, forgotten)  # the index outgrew its bound
         if reports.shared_failed:
             failed = [BlockHash(bytes(h)) for h in reports.shared_failed]
             counters.num_write_failures += shared.fail(self.pool_id, failed)
