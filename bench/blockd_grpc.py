@@ -18,7 +18,8 @@ Side by side, the same closed loop runs against an echo server (this module with
 with half its blocks cached): the ceiling that gRPC, the client and the machine allow,
 so `batched_over_ceiling` says how close blockd's own work lets it come.
 
-The batched workers send the contract's cheap wire forms (prompts as packed
+The batched workers send their Steps on a StepStream each, as computed does, and the
+contract's cheap wire forms (prompts as packed
 `token_bytes`, commits by block index without tokens); the closed loop also runs with
 the old forms (varint `token_ids`, commits resending their tokens), interleaved, and
 reports the ratio. The batched workers write their requests with `StepWriter` (cached wire bytes of the
@@ -54,7 +55,7 @@ SHARED_PREFIX = 2048
 BLOCK_SIZE = 16
 POOL_BLOCKS = 4096
 OPEN_LOOP_LOAD = 0.5  # offered rate, as a share of the closed-loop maximum
-STEP_METHOD = "/kvcache.v1.BlockDirectoryService/Step"
+STREAM_METHOD = "/kvcache.v1.BlockDirectoryService/StepStream"
 SYSTEM_PROMPT = [random.Random(1).randrange(128_000) for _ in range(SHARED_PREFIX)]
 
 
@@ -89,6 +90,10 @@ class EchoService(pb_grpc.BlockDirectoryServiceServicer):
 
     async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
         return pb.RegisterPoolResponse(pool_id="echo", epoch=1, lease_ttl_seconds=60)
+
+    async def StepStream(self, requests, context):
+        async for request in requests:
+            yield pb.StepStreamResponse(step=await self.Step(request.step, context))
 
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         block_ids = range(PROMPT_TOKENS // BLOCK_SIZE)
@@ -257,7 +262,14 @@ async def batched_worker(
     """Answers how many sequences it admitted. Closed loop without `period`; with it,
     one Step every `period` seconds (open loop), phase-shifted by the worker's index."""
     async with grpc.aio.insecure_channel(address) as channel:
-        step = channel.unary_unary(STEP_METHOD, response_deserializer=pb.StepResponse.FromString)
+        # Each worker's Steps on one StepStream, as computed sends them: a request is the
+        # Step's wire bytes as field 1 of a StepStreamRequest.
+        call = channel.stream_stream(STREAM_METHOD, response_deserializer=pb.StepStreamResponse.FromString)()
+
+        async def step(request: bytes) -> pb.StepResponse:
+            await call.write(_field(0x0A, request))
+            return (await call.read()).step
+
         writer = StepWriter(await _register(channel), Prompts(index, wire), wire)
         running: list[tuple[int, list[bytes], pb.AdmitResult]] = []
         admitted = 0
@@ -280,6 +292,7 @@ async def batched_worker(
                 if result.admitted
             ]
             admitted += len(running)
+        await call.done_writing()
         return admitted
 
 
