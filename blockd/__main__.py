@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         "deletes what a flush drops [BLOCKD_SHARED_TIER]",
     )
     parser.add_argument(
+        "--shared-tier-reread-seconds",
+        type=float,
+        default=_env("SHARED_TIER_REREAD_SECONDS"),
+        metavar="S",
+        help="re-read the store's index every S seconds after the start-up rebuild (default: at start "
+        "only); with shards, blocks other shards' workers wrote become findable here "
+        "[BLOCKD_SHARED_TIER_REREAD_SECONDS]",
+    )
+    parser.add_argument(
         "--shared-index-max-blocks",
         type=int,
         metavar="N",
@@ -203,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         shutdown_grace_seconds=args.shutdown_grace,
         directory=directory,
         shared_tier=args.shared_tier or None,
+        shared_tier_reread_seconds=args.shared_tier_reread_seconds,
         # Test hook only: keep this many bytes of each block hash so collisions happen
         # (exact verification must turn every one into a miss).
         test_hash_bytes=int(os.environ["BLOCKD_TEST_HASH_BYTES"])

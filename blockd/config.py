@@ -115,6 +115,9 @@ class BlockdConfig:
     # its index from it at start and deletes what a Flush drops. None: the index starts
     # empty and a Flush forgets records without deleting keys.
     shared_tier: str | None = None
+    # Seconds between re-reads of the store's index after the start-up rebuild (None: at
+    # start only). With shards, what other shards' workers wrote becomes findable here.
+    shared_tier_reread_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not self.listen.startswith("unix:") and ":" not in self.listen:
@@ -136,5 +139,12 @@ class BlockdConfig:
             raise ValueError(
                 f"--shared-tier must be a redis://HOST:PORT[/DB] or rediss:// URL, got {self.shared_tier!r}"
             )
+        if self.shared_tier_reread_seconds is not None:
+            if self.shared_tier is None:
+                raise ValueError("--shared-tier-reread-seconds needs --shared-tier")
+            if not 0.1 <= self.shared_tier_reread_seconds <= 86_400:
+                raise ValueError(
+                    f"--shared-tier-reread-seconds must be 0.1 .. 86400, got {self.shared_tier_reread_seconds}"
+                )
         if not 0 <= self.shutdown_grace_seconds <= 300:
             raise ValueError(f"shutdown grace must be 0 .. 300 s, got {self.shutdown_grace_seconds}")

@@ -24,7 +24,7 @@ from blockd.directory import BlockDirectory
 from blockd.hashing import DEFAULT_HASHER, truncated_hasher
 from blockd.metrics import make_registry, start_metrics_server
 from blockd.service import BlockDirectoryService, DirectoryAdminService, RoutingService, add_service
-from blockd.shared_store import SharedStoreAdmin, rebuild_forever
+from blockd.shared_store import SharedStoreAdmin, rebuild_forever, reread_forever
 from kvcache.v1 import directory_pb2
 
 log = structlog.get_logger("blockd.server")
@@ -58,8 +58,7 @@ class BlockdServer:
             self.metrics_address = f"{host}:{port}"
         self._tasks.append(asyncio.create_task(self._expire_forever(), name="blockd-expiry"))
         if self.shared_store is not None:  # in the background: an unreachable store never blocks serving
-            rebuild = rebuild_forever(self.shared_store, self.directory.load_shared)
-            self._tasks.append(asyncio.create_task(rebuild, name="blockd-shared-rebuild"))
+            self._tasks.append(asyncio.create_task(self._shared_index(), name="blockd-shared-index"))
         for service in ("", *SERVICE_NAMES):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -98,6 +97,15 @@ class BlockdServer:
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
+
+    async def _shared_index(self) -> None:
+        """The shared tier's index: rebuilt from the store at start, then re-read every
+        `shared_tier_reread_seconds` when set."""
+        assert self.shared_store is not None
+        await rebuild_forever(self.shared_store, self.directory.load_shared)
+        interval = self.config.shared_tier_reread_seconds
+        if interval is not None:
+            await reread_forever(self.shared_store, self.directory.load_shared, interval)
 
     async def _expire_forever(self) -> None:
         """Retire lapsed leases and pins, about four times per lease TTL."""

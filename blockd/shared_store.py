@@ -187,3 +187,20 @@ async def rebuild_forever(admin: SharedStoreAdmin, load, retry_seconds: float = 
         total = sum(load(rebuilt.seed, rebuilt.records) for rebuilt in namespaces)
         log.info("shared tier index rebuilt", namespaces=len(namespaces), blocks=total, store=admin.url)
         return
+
+
+async def reread_forever(admin: SharedStoreAdmin, load, interval: float) -> None:
+    """Read the store's index again every `interval` seconds (after the start-up rebuild):
+    blocks that other blockd processes' workers wrote (shards, docs/sharding.md) become
+    findable here without a restart. `load` skips what the index knows, so a turn costs
+    one SCAN and the headers' reads; a turn that fails waits for the next."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            namespaces = await admin.read_index()
+        except Exception as exc:  # noqa: BLE001 - any store failure: the next turn retries
+            log.warning("shared tier index re-read failed", error=str(exc))
+            continue
+        added = sum(load(rebuilt.seed, rebuilt.records) for rebuilt in namespaces)
+        if added:
+            log.info("shared tier index re-read", new_blocks=added, store=admin.url)
