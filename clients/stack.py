@@ -169,7 +169,13 @@ class Stack:
                         f"blockd-shard{i}",
                         "blockd",
                         f"{host}:0",
-                        (*token_args, *blockd_args, *_metrics_args(metrics_port, len(computed) + i)),
+                        (
+                            *token_args,
+                            *blockd_args,
+                            *_metrics_args(metrics_port, len(computed) + i),
+                            # what other shards' workers write to the store becomes findable here
+                            *(("--shared-tier-reread-seconds", "5") if url is not None else ()),
+                        ),
                     )
                     for i in range(shards)
                 ]
