@@ -262,41 +262,55 @@ class GatedPolicy:
     after release: a live sequence's blocks are referenced and never evicted, and
     without pressure nothing is evicted at all.
 
-    Strictness adapts as ARC's target does, from the ghost table's returns (a hash
-    evicted recently, within 2x the pool, committed again): a probation victim that
-    returns says probation was too short (`penalty` shrinks), an admitted victim that
-    returns says admitted blocks were given up too soon (`penalty` grows). Steps are
-    scaled, as ARC's, by how many victims each side has had, so the side evicted more
-    often must return more often to move the gate. Where most blocks are one-offs,
-    their victims never return and the gate closes (up to `MAX_PENALTY` horizons: they
-    go first); where everything is reused, nothing is on probation long, and where
-    probation victims come back soon (chats at larger pools) the gate opens (`penalty`
-    0: the inner policy alone). It starts open. Measured: bench.eviction_quality.
+    Strictness follows what the ghost table's returns (a hash evicted recently, within
+    2x the pool, committed again) say about each side, as the inner policy's bonus does
+    for use classes: per side (probation, admitted), decayed victims and returns give a
+    return rate, shrunk toward the pool's overall rate by PRIOR pseudo-victims; the
+    gate is `ratio / 2^MARGIN - 1` horizons of the inner policy (0 to MAX_PENALTY), where
+    `ratio` is the admitted side's rate over the probation side's. Where one-offs
+    dominate, their victims never return and the gate closes (they go first); where
+    probation victims come back about as often as admitted ones (conversations whose
+    next turn comes after long think times, everything reused), it stays open (0: the
+    inner policy alone). It starts open and moves only once the pool has had
+    MIN_EVIDENCE evictions.
 
-    O(1) per priority and per event, like the inner policy; heap entries keep the
-    penalty they were pushed with (comparable: both are times)."""
+    Measured (bench.eviction_quality): the first gate moved by ARC's steps (up on an
+    admitted victim's return, down on a probation victim's, scaled by the victims'
+    ratio); with the two sides' rates close, as on the conversation trace, that walk
+    drifted to a closed gate and cost 3-6% of lru's hits at pools of 5-25%. Set from the
+    rates, the gate stays open there (>= 0.98x lru on every trace and pool) and closes
+    as far as before on Zipf and one-off traffic.
+
+    O(1) per priority and per event, like the inner policy (counters in inflated units,
+    the gate recomputed after a return or every REFRESH evictions, when next read); heap
+    entries keep the penalty they were pushed with (comparable: both are times)."""
 
     name = "adaptive"
     MAX_PENALTY = 64.0  # horizons (of the inner policy): a fully closed gate
-    STEP = 1.0  # horizons per return, before ARC's ratio
+    MARGIN = 1.0  # log2: admitted victims must return 2x as often as probation ones to close it
     # Open at first: LRU-like (with the frequency bonus) until returns say otherwise. A gate
     # that starts half closed lost 3% to lru on the conversation trace at 25% (bench.eviction_quality),
     # where too few evictions happen to open it again.
     INITIAL_GATE = 0.0
-    DECAY = 1 - 1 / 20_000  # victims counted per side: the last ~20k evictions
+    MIN_EVIDENCE = 20  # evictions before the gate moves (fewer: the rates are noise)
+    DECAY = 1 - 1 / 20_000  # victims and returns counted per side: the last ~20k evictions
 
     def __init__(self) -> None:
         # Its horizon stays one-use victims' age. Measured in admitted victims' lifetimes
         # instead, the frequency bonus won on zipf at 2% (0.79 -> 0.86 of the optimum) but
         # cost the agent trace at 25% 3.5% of lru's hits (bench.eviction_quality).
         self.inner = AdaptivePolicy()
-        self.gate = self.INITIAL_GATE  # horizons
+        self._gate = self.INITIAL_GATE  # horizons
         self._leader = self  # whose gate and horizon set the penalty (`follow`)
-        # decayed evictions, on probation and admitted, in inflated units (as the inner
-        # policy's counters: an eviction adds `_scale`, nothing is multiplied per eviction)
-        self._victims = [1.0, 1.0]
+        # decayed victims and returns per side (on probation, admitted), in inflated units as
+        # the inner policy's counters: an event adds `_scale`, nothing is multiplied per eviction
+        self._victims = [0.0, 0.0]
+        self._returns = [0.0, 0.0]
         self._scale = 1.0
         self._grow = 1 / self.DECAY
+        self._num_evictions = 0
+        self._since = 0  # evictions since the gate was computed
+        self._stale = False
 
     @property
     def victims(self) -> list[float]:
@@ -304,9 +318,23 @@ class GatedPolicy:
         return [v / self._scale for v in self._victims]
 
     @property
+    def gate(self) -> float:
+        """Horizons a block on probation is aged by (0: open), as of the latest return or
+        REFRESH evictions."""
+        if self._stale:
+            self._regate()
+        return self._gate
+
+    @gate.setter
+    def gate(self, horizons: float) -> None:
+        """Set until the next return or REFRESH evictions recompute it (tests, operators)."""
+        self._gate = horizons
+
+    @property
     def penalty(self) -> float:
         """Release ticks a block on probation is aged by."""
-        return self._leader.gate * max(self._leader.gate_horizon, self.inner.MIN_HORIZON)
+        leader = self._leader
+        return leader.gate * max(leader.gate_horizon, self.inner.MIN_HORIZON)
 
     @property
     def gate_horizon(self) -> float:
@@ -327,8 +355,10 @@ class GatedPolicy:
         value, tick, uses = self.inner.priority(block)
         if uses < 2:
             leader = self._leader
-            if leader.gate:
-                value -= leader.gate * max(leader.inner.horizon, AdaptivePolicy.MIN_HORIZON)
+            if leader._stale:
+                leader._regate()
+            if leader._gate:
+                value -= leader._gate * max(leader.inner.horizon, AdaptivePolicy.MIN_HORIZON)
         return (value, tick, uses)
 
     def evicted(self, priority: Priority) -> None:
@@ -337,15 +367,31 @@ class GatedPolicy:
         self._victims[0 if priority[2] < 2 else 1] += scale
         if scale > AdaptivePolicy.RENORMALISE:
             self._victims = [v / scale for v in self._victims]
+            self._returns = [r / scale for r in self._returns]
             self._scale = 1.0
+        self._num_evictions += 1
+        self._since += 1
+        if self._since >= AdaptivePolicy.REFRESH:
+            self._stale = True
 
     def returned(self, num_uses: int) -> None:
         self.inner.returned(num_uses)
-        on_probation, admitted = self._victims
-        if num_uses < 2:
-            self.gate = max(0.0, self.gate - self.STEP * max(1.0, admitted / on_probation))
-        else:
-            self.gate = min(self.MAX_PENALTY, self.gate + self.STEP * max(1.0, on_probation / admitted))
+        self._returns[0 if num_uses < 2 else 1] += self._scale
+        self._stale = True
+
+    def _regate(self) -> None:
+        self._since = 0
+        self._stale = False
+        if self._num_evictions < self.MIN_EVIDENCE:
+            return
+        scale = self._scale
+        (on_probation, admitted), (probation_returns, admitted_returns) = self._victims, self._returns
+        base = (probation_returns + admitted_returns + scale) / (on_probation + admitted + 2 * scale)
+        prior = AdaptivePolicy.PRIOR * scale
+        probation_rate = (probation_returns + prior * base) / (on_probation + prior)
+        admitted_rate = (admitted_returns + prior * base) / (admitted + prior)
+        gate = admitted_rate / probation_rate / 2**self.MARGIN - 1
+        self._gate = min(self.MAX_PENALTY, max(0.0, gate))
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
