@@ -29,7 +29,15 @@
 //               valid (P,), valid_rows (P,), all int64 (computed.attention.Tile's)
 //   causal, in_order  per tile
 //   merge_index (T, depth) int64 or None: as merge_partials takes it
-//   h           (T, hidden)  float32: the last layer's output, final-normed
+//   read_rows   (S,) int64 or None: the rows whose hidden states are read (computed/output_rows.py):
+//               the last layer runs past its q/k/v product (which writes every row's K/V) for
+//               them alone, attending through read_tiles, read_causal, read_in_order and
+//               read_merge_index (the rows' own plan, as tiles, causal, in_order, merge_index)
+//   h           (T, hidden)  float32: the last layer's output, final-normed; (S, hidden)
+//               with read_rows
+// Why read_rows: a prefill step samples its chunks' last rows, and ran the Python loop of
+// computed/model/native.py for it, op by op: ~4% of a warm 4,096+64 prefill's forward was
+// that Python and the op calls around the kernels (py-spy --native, default model, 1 thread).
 // A tile of one query per item that is not causal runs paged_decode, any other paged_flash;
 // the caller makes sure both take the pool and the head shapes (computed/model/native.py).
 
@@ -106,7 +114,9 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& h_in, at::Te
                           double scale, double eps, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& kv, const at::Tensor& write_slots, const Opt& write_index,
                           at::TensorList tiles, const c10::List<bool>& causal, const c10::List<bool>& in_order,
-                          const Opt& merge_index) {
+                          const Opt& merge_index, const Opt& read_rows, at::TensorList read_tiles,
+                          const c10::List<bool>& read_causal, const c10::List<bool>& read_in_order,
+                          const Opt& read_merge_index) {
   static const auto layer_qkv = op<at::Tensor(T, T, const Opt&, const Opt&, const Opt&, T, T, T, int64_t, T,
                                               const Opt&, int64_t, int64_t, int64_t, double)>("kvcache::layer_qkv");
   static const auto layer_out = op<Pair(T, T, T, T, T, T, T, int64_t, double)>("kvcache::layer_out");
@@ -122,6 +132,12 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& h_in, at::Te
               "forward_layers takes ", kPerTile, " tensors, causal and in_order per tile");
   TORCH_CHECK(kv.dim() == 6 && kv.size(4) == num_kv_heads && kv.size(5) == head_dim,
               "forward_layers takes the pool (layers, 2, N, B, Hkv, D)");
+  const int64_t num_read_tiles = static_cast<int64_t>(read_causal.size());
+  TORCH_CHECK(!read_rows.has_value() || (read_rows->numel() >= 1 && num_read_tiles >= 1 &&
+                                         static_cast<int64_t>(read_in_order.size()) == num_read_tiles &&
+                                         static_cast<int64_t>(read_tiles.size()) == num_read_tiles * kPerTile),
+              "forward_layers takes at least one read row, and ", kPerTile,
+              " tensors, causal and in_order per read tile");
   at::Tensor x = x_in, h = h_in;
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = layers.data() + l * kPerLayer;
@@ -130,6 +146,13 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& h_in, at::Te
                                         write_slots, write_index, num_heads, num_kv_heads, head_dim, eps);
     const at::Tensor keys = kv.select(0, layer).select(0, 0).view({-1, num_kv_heads, head_dim});  // (N * B, Hkv, D)
     const at::Tensor values = kv.select(0, layer).select(0, 1).view({-1, num_kv_heads, head_dim});
+    if (l == num_layers - 1 && read_rows.has_value()) {  // the read rows alone from here on
+      const at::Tensor out = attend(q.index_select(0, *read_rows), keys, values, read_tiles, read_causal,
+                                    read_in_order, read_merge_index, scale);
+      x = x.index_select(0, *read_rows);
+      std::tie(h, x) = layer_out.call(out, x, w[1], w[2], w[3], w[4], w[5], gate_up_size, eps);
+      break;
+    }
     const at::Tensor out = attend(q, keys, values, tiles, causal, in_order, merge_index, scale);
     std::tie(h, x) = layer_out.call(out, x, w[1], w[2], w[3], w[4], w[5], gate_up_size, eps);
   }
@@ -143,7 +166,8 @@ TORCH_LIBRARY_FRAGMENT(kvcache, m) {
       "forward_layers(Tensor x, Tensor h, Tensor[] layers, Tensor?[] bias, Tensor?[] q_norm, Tensor?[] k_norm, "
       "int[] layer_ids, int num_heads, int num_kv_heads, int head_dim, int gate_up_size, float scale, float eps, "
       "Tensor cos, Tensor sin, Tensor(a!) kv, Tensor write_slots, Tensor? write_index, Tensor[] tiles, "
-      "bool[] causal, bool[] in_order, Tensor? merge_index) -> Tensor");
+      "bool[] causal, bool[] in_order, Tensor? merge_index, Tensor? read_rows, Tensor[] read_tiles, "
+      "bool[] read_causal, bool[] read_in_order, Tensor? read_merge_index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {

@@ -71,9 +71,11 @@ class NativeForward:
     # kvcache::forward_layers (computed/kernels/forward.cpp) and the layers' tensors as it
     # takes them, built once: a step's every layer, attention included, in one call where
     # the layers share their shapes and the native attention kernels take them (else None:
-    # the loop below). Steps that read every row (decode steps) take it; a step whose last
-    # layer runs for its sampled rows only keeps the loop. A standalone decode burst, 8 rows
-    # x 1,100 keys, interleaved with the loop's build: 1.39-1.48 -> 1.24-1.28 ms a step.
+    # the loop below). Steps that read every row (decode steps) take it, and so do steps
+    # whose last layer runs for their sampled rows only (prefill chunks: its read_rows); a
+    # step that reads no row keeps the loop (its last layer only writes K/V). A standalone
+    # decode burst, 8 rows x 1,100 keys, interleaved with the loop's build: 1.39-1.48 ->
+    # 1.24-1.28 ms a step.
     whole: tuple[Callable, tuple] | None = None
     # The loop's attention (`CausalLM.use_attention_backend`); None asks the registry per call.
     # `whole` runs cpu_native's kernels itself: the registry's choice wherever `whole` can run.
@@ -199,12 +201,16 @@ class NativeForward:
         # Every token's K/V is written but a fully cached prompt's recomputed last position.
         writes_all = batch.write_slots.shape[0] == batch.num_tokens and not batch.write_rows_selected
         write_index = None if writes_all else batch.write_token_index
-        if read is None and self.whole is not None and pool.kv.dtype in NATIVE_POOL_DTYPES:
+        read_any = read is None or read.batch is not None
+        if read_any and self.whole is not None and pool.kv.dtype in NATIVE_POOL_DTYPES:
             op, args = self.whole
             tiles, causal, in_order = batch.native_tiles
+            reads = (None, [], [], [], None)
+            if read is not None and read.batch is not None:
+                reads = (read.rows, *read.batch.native_tiles, read.batch.merge_index)
             return op(
                 x, h, *args, eps, cos, sin, pool.kv, batch.write_slots, write_index, tiles, causal, in_order,
-                batch.merge_index,
+                batch.merge_index, *reads,
             )  # fmt: skip
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, next_norm in zip(self.layers, next_norms):

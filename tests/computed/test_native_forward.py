@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import random
 from collections.abc import Iterator
 
@@ -18,6 +19,7 @@ from computed import kernels
 from computed.attention import AttentionBatch, SpanInput
 from computed.kv_pool import KVPool
 from computed.model import load_model
+from computed.output_rows import OutputRows
 from tests.computed.test_model import VARIANTS
 from tests.models import TinyModels
 
@@ -128,6 +130,33 @@ def test_whole_step_op_is_the_layer_loop_bit_for_bit(loaded, pool_dtype: torch.d
     whole, whole_pool = run(loaded, native=True, pool_dtype=pool_dtype)
     with layer_loop(loaded.model):
         looped, looped_pool = run(loaded, native=True, pool_dtype=pool_dtype)
+    for got, want in zip(whole, looped, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(whole_pool.kv, looped_pool.kv)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_whole_step_op_reads_the_sampled_rows_as_the_layer_loop_does(loaded, pool_dtype: torch.dtype) -> None:
+    """Steps whose last layer runs for each span's last row only (`OutputRows`, a prefill
+    step's sampled rows): through `kvcache::forward_layers`' read rows and through the loop."""
+    assert loaded.model.native.whole is not None, "every variant's shapes take the one-op step"
+
+    def run_read() -> tuple[list[torch.Tensor], KVPool]:
+        model, c = loaded.model, loaded.config
+        pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, pool_dtype, CPU)
+        outs = []
+        for spans, ids in steps(c.vocab_size):
+            batch = AttentionBatch.build(spans, BLOCK, CPU, 0)
+            ends = list(itertools.accumulate(s.num_new_tokens for s in spans))
+            read = OutputRows.build(spans, [e - 1 for e in ends], list(range(len(spans))), BLOCK, CPU, 0)
+            hidden = model(torch.tensor(ids), batch, pool, read)  # (S, hidden)
+            assert hidden.shape[0] == len(spans)
+            outs += [hidden, model.compute_logits(hidden)]
+        return outs, pool
+
+    whole, whole_pool = run_read()
+    with layer_loop(loaded.model):
+        looped, looped_pool = run_read()
     for got, want in zip(whole, looped, strict=True):
         assert torch.equal(got, want)
     assert torch.equal(whole_pool.kv, looped_pool.kv)
