@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
-from blockd.eviction import EvictableLeaves, EvictionPolicy
+from blockd.eviction import EvictableLeaves, EvictionPolicy, GatedPolicy, admits
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
 from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.host_tier import HostCounters, HostTier
@@ -144,6 +144,7 @@ class BlockPool:
         )
         # Faster first: the order an admission walks them (`blockd.tiers.registry`).
         self.lower_tiers: list[LowerTier] = make_lower_tiers(setup)
+        self._gated = isinstance(self.leaves.policy, GatedPolicy)
         tiers = self.lower_tiers
         # The tier that takes the device's eviction victims, and the one whose records
         # a commit may adopt (the pool's own `Block`s); None without one.
@@ -279,6 +280,9 @@ class BlockPool:
         self.num_referenced += num_revived
         if self.sightings is not None:
             self._see_hits(hits, found)
+        elif self._gated and hits:  # a hit may admit a block the gate held back at commit
+            for tier in self.lower_tiers:
+                tier.hits_seen(hits)
         for tier, tier_hits in found:  # held before allocating, so no demotion can evict them
             tier.reserve(tier_hits)
         block_ids = [block.block_id for block in hits]
@@ -653,10 +657,12 @@ class BlockPool:
     def _worth_keeping(self, block: Block) -> bool:
         """The admission rule of demotion and write-through: seen more than
         `demote_min_hits` times (computed once plus hit since, fleet-wide when blockd
-        counts sightings)."""
+        counts sightings), and admitted by the eviction policy's gate when it has one
+        (issue 44: the device, host and shared tiers decide with the same gate; a block
+        on probation is demoted or written once a hit admits it)."""
         local = block.num_hits + 1
         seen = local if self.sightings is None else max(local, self.sightings.count(block.block_hash))
-        return seen > self.demote_min_hits
+        return seen > self.demote_min_hits and admits(self.leaves.policy, block)
 
     def _see_hits(self, hits: list[Block], found: list[tuple[LowerTier, list[Any]]]) -> None:
         """An admission's hits are sightings: the pool's records (device, then the tier
