@@ -95,14 +95,6 @@ def _remember(step: pb.StepRequest, reply: pb.StepResponse, tables: dict[int, li
             tables[admit.sequence_id] = list(admit.block_ids[first:end])
 
 
-@pytest.fixture
-async def blockd():
-    env = await start_inprocess(make_config())
-    yield env
-    await env.channel.close()
-    await env.server.stop(0)
-
-
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_a_stream_answers_each_step_as_the_unary_call_does(blockd, seed: int) -> None:
     one, two = await _register(blockd, "w1:1"), await _register(blockd, "w2:1")

@@ -7,6 +7,9 @@ does not serve StepStream (an older blockd) gets unary Steps, the refused one fi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 import grpc.aio
 import pytest
@@ -23,15 +26,25 @@ TOKENS = list(range(100, 124))  # 6 blocks of 4
 SPEC = PoolSpec(num_blocks=16, block_size=4, model_id="m", model_revision="", dtype="", worker_address="w:1")
 
 
-@pytest.fixture
-async def blockd():
-    env = await start_inprocess(make_config())
-    yield env
-    await env.channel.close()
-    await env.server.stop(0)
+@contextlib.asynccontextmanager
+async def _server(method: str, handler: grpc.RpcMethodHandler) -> AsyncIterator[StepStream]:
+    """A BlockDirectoryService that serves only `method` (not blockd): a StepStream to it."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvcache.v1.BlockDirectoryService", {method: handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield StepStream(pb_grpc.BlockDirectoryServiceStub(channel), None)
+    finally:
+        await channel.close()
+        await server.stop(0)
 
 
-async def test_steps_travel_on_one_stream_and_a_refused_step_reopens_it(blockd) -> None:
+async def test_steps_travel_on_one_stream_and_a_refused_step_reopens_it() -> None:
+    blockd = await start_inprocess(make_config())
     client = DirectoryClient(blockd.address, SPEC)
     try:
         await client.register()
@@ -50,6 +63,8 @@ async def test_steps_travel_on_one_stream_and_a_refused_step_reopens_it(blockd) 
         assert client._steps._call is not None and client._steps._call is not first_stream
     finally:
         await client.close()
+        await blockd.channel.close()
+        await blockd.server.stop(0)
 
 
 async def test_a_server_without_step_stream_gets_unary_steps() -> None:
@@ -61,27 +76,16 @@ async def test_a_server_without_step_stream_gets_unary_steps() -> None:
         seen.append(request.pool_id)
         return pb.StepResponse(num_free_blocks=len(seen))
 
-    server = grpc.aio.server()
     handler = grpc.unary_unary_rpc_method_handler(
         step,
         request_deserializer=pb.StepRequest.FromString,
         response_serializer=pb.StepResponse.SerializeToString,
     )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("kvcache.v1.BlockDirectoryService", {"Step": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        steps = StepStream(pb_grpc.BlockDirectoryServiceStub(channel), None)
+    async with _server("Step", handler) as steps:
         first = await steps(pb.StepRequest(pool_id="a"), timeout=5)
         second = await steps(pb.StepRequest(pool_id="b"), timeout=5)
         assert steps.is_unary and seen == ["a", "b"]
         assert (first.num_free_blocks, second.num_free_blocks) == (1, 2)
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 async def test_a_silent_server_is_a_deadline_not_a_hang() -> None:
@@ -93,24 +97,13 @@ async def test_a_silent_server_is_a_deadline_not_a_hang() -> None:
             pass
         yield pb.StepResponse()  # pragma: no cover - the client gives up first
 
-    server = grpc.aio.server()
     handler = grpc.stream_stream_rpc_method_handler(
         never,
         request_deserializer=pb.StepStreamRequest.FromString,
         response_serializer=pb.StepStreamResponse.SerializeToString,
     )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("kvcache.v1.BlockDirectoryService", {"StepStream": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        steps = StepStream(pb_grpc.BlockDirectoryServiceStub(channel), None)
+    async with _server("StepStream", handler) as steps:
         with pytest.raises(grpc.aio.AioRpcError) as late:
             await steps(pb.StepRequest(pool_id="a"), timeout=0.3)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert steps._call is None and not steps.is_unary
-    finally:
-        await channel.close()
-        await server.stop(0)
