@@ -42,3 +42,12 @@ def _top_imports(path: Path) -> set[str]:
 def test_core_module_imports_no_grpc_or_io(module):
     names = _top_imports(REPO / "blockd" / f"{module}.py")
     assert not names & FORBIDDEN, f"blockd/{module}.py imports {names & FORBIDDEN}"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "blockd" / "tiers").glob("*.py")), ids=lambda p: p.name)
+def test_tier_modules_are_pure(path):
+    """Tiers are core: no gRPC, no I/O (the worker moves the bytes; blockd only decides)."""
+    names = _top_imports(path)
+    assert not names & (FORBIDDEN | {"redis", "valkey"}), (
+        f"blockd/tiers/{path.name} imports {names & FORBIDDEN}"
+    )

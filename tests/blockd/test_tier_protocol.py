@@ -8,7 +8,6 @@ walked by the unchanged pool and directory."""
 
 from __future__ import annotations
 
-import ast
 from typing import ClassVar
 
 import pytest
@@ -21,7 +20,6 @@ from blockd.tiers.host import HostLevel
 from blockd.tiers.shared import SharedLevel
 from blockd.types import AdmitOp, BlockHash, BlockId, CommitOp, HostSpec, ReleaseOp, Tier
 from tests.blockd.helpers import NAMESPACE, harness
-from tests.daemons import REPO
 
 BS = 2
 A = [1, 2, 3, 4]  # two blocks
@@ -165,15 +163,3 @@ def test_tier_work_adds_field_by_field():
     a = TierWork(demotions=((1, 2),))
     b = TierWork(demotions=((3, 4),), shared_stores=())
     assert (a + b).demotions == ((1, 2), (3, 4)) and (a + NO_WORK) == a
-
-
-@pytest.mark.parametrize("path", sorted((REPO / "blockd" / "tiers").glob("*.py")), ids=lambda p: p.name)
-def test_tier_modules_are_pure(path):
-    """Tiers are core: no gRPC, no I/O (the worker moves the bytes; blockd only decides)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    assert not names & {"grpc", "kvcache", "torch", "socket", "asyncio", "structlog", "redis"}
