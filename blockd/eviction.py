@@ -475,11 +475,14 @@ class EvictableLeaves:
     def policy(self) -> EvictionPolicy:
         return self._policy
 
-    def push(self, block: Block) -> None:
+    def push(self, block: Block, priority: Priority | None = None) -> None:
+        """Enter `block` with `priority`, or the policy's priority for it now."""
         assert block.is_evictable_leaf, f"only evictable leaves enter the heap: {block}"
         key = next(self._keys)
         block.heap_key = key
-        heapq.heappush(self._heap, (self._policy.priority(block), key, block))
+        if priority is None:
+            priority = self._policy.priority(block)
+        heapq.heappush(self._heap, (priority, key, block))
 
     @property
     def priority(self) -> Callable[[Block], Priority]:
@@ -493,11 +496,10 @@ class EvictableLeaves:
         heap = self._heap
         return heap[0][0] if heap else None
 
-    def takes_next(self, block: Block, bar: Priority | None) -> bool:
-        """Whether `block`, an evictable leaf not in the heap, would be popped next if
-        pushed now (its priority is below `bar`, the heap's first; None: an empty heap);
-        if so it counts as evicted for the policy, exactly as a pop would."""
-        priority = self._policy.priority(block)
+    def takes_next(self, priority: Priority, bar: Priority | None) -> bool:
+        """Whether an evictable leaf not in the heap, pushed now with `priority`, would
+        be popped next (its priority is below `bar`, the heap's first; None: an empty
+        heap); if so it counts as evicted for the policy, exactly as a pop would."""
         if bar is not None and not priority < bar:
             return False
         self._policy.evicted(priority)
@@ -505,13 +507,18 @@ class EvictableLeaves:
 
     def pop(self) -> Block | None:
         """The evictable leaf of smallest priority, or None when there is none."""
+        entry = self.pop_entry()
+        return entry[1] if entry is not None else None
+
+    def pop_entry(self) -> tuple[Priority, Block] | None:
+        """`pop`, with the priority its entry was pushed with."""
         heap = self._heap
         while heap:
             priority, key, block = heapq.heappop(heap)
             if block.heap_key == key and block.is_evictable_leaf:
                 block.heap_key = None
                 self._policy.evicted(priority)
-                return block
+                return priority, block
         return None
 
     def compact(self, num_evictable: int) -> None:

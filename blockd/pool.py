@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
-from blockd.eviction import EvictableLeaves, EvictionPolicy, GatedPolicy, admits
+from blockd.eviction import EvictableLeaves, EvictionPolicy, GatedPolicy, Priority, admits
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
 from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.host_tier import HostCounters, HostTier
@@ -407,9 +407,9 @@ class BlockPool:
         dropped = [b for b in matching if b.ref_count == 0]
         dropped.sort(key=_deepest_first)
         for block in dropped:
-            _, leaf = self._drop_chain(block, 1, None)
+            _, leaf, priority = self._drop_chain(block, 1, None)
             if leaf is not None:
-                self.leaves.push(leaf)
+                self.leaves.push(leaf, priority)
             for tier in self.lower_tiers:
                 tier.left_device(block)
         self.num_evictable -= len(dropped)
@@ -603,12 +603,15 @@ class BlockPool:
         leaves, demote = self.leaves, self._demote
         evicted: list[Block] = []
         while len(evicted) < num:
-            block = leaves.pop()
-            assert block is not None, "evictable count promised a leaf"
-            dropped, leaf = self._drop_chain(block, num - len(evicted), leaves.first_priority())
+            entry = leaves.pop_entry()
+            assert entry is not None, "evictable count promised a leaf"
+            priority, block = entry
+            dropped, leaf, priority = self._drop_chain(
+                block, num - len(evicted), leaves.first_priority(), priority
+            )
             evicted += dropped
             if leaf is not None:
-                leaves.push(leaf)
+                leaves.push(leaf, priority)
             if demote is not None:
                 demote(dropped)
         self.num_evictable -= num
@@ -621,16 +624,23 @@ class BlockPool:
         return block_ids
 
     def _drop_chain(
-        self, block: Block, limit: int, bar: tuple[int, ...] | None
-    ) -> tuple[list[Block], Block | None]:
+        self, block: Block, limit: int, bar: Priority | None, priority: Priority | None = None
+    ) -> tuple[list[Block], Block | None, Priority | None]:
         """Drop an unreferenced cached block's index entry and record, then its parent
         while that is left an evictable leaf that the heap would answer next anyway (its
         priority is below `bar`, the heap's first; None: an empty heap), up to `limit`
         blocks. Answers the dropped blocks and the evictable leaf left behind, if any,
-        for the caller to push. Under LRU a released chain shares one tick, so eviction
-        takes a whole chain for one heap pop (bench.blockd_grpc: an admission there
-        evicts a 128-block chain); a flush drops one block at a time (limit 1)."""
+        with its priority, for the caller to push.
+
+        A parent released with its child (same tick, uses and retention: what a policy
+        ranks by) takes the child's `priority` (the one its heap entry was pushed with)
+        instead of a fresh one: the chain was released as one, and a fresh priority
+        drifts with the policy's state, so interleaved chains of one Step broke after a
+        few blocks each (bench.blockd_grpc: 17.7 heap pops and 128 priorities per
+        128-block eviction, takes_next ~20% of blockd's time in process; now one pop and
+        one priority per chain). A flush drops one block at a time (limit 1)."""
         index, records, leaves = self.index, self.blocks, self.leaves
+        rank = leaves.priority
         dropped: list[Block] = []
         while True:
             assert index.get(block.block_hash) is block, f"{block} is not indexed"
@@ -643,13 +653,20 @@ class BlockPool:
                 self.ghosts.drop_salted(self._salt_free_hash(block))
             parent = block.parent
             if parent is None:
-                return dropped, None
+                return dropped, None, None
             parent.num_cached_children -= 1
             # `is_evictable_leaf`, inlined: this runs once per evicted block
             if not parent.is_cached or parent.ref_count or parent.num_cached_children:
-                return dropped, None
-            if len(dropped) == limit or not leaves.takes_next(parent, bar):
-                return dropped, parent  # a pushed block loses ties, so only "below" is sure
+                return dropped, None, None
+            if (
+                priority is None
+                or parent.last_tick != block.last_tick
+                or parent.num_seen + parent.num_hits != block.num_seen + block.num_hits
+                or parent.retention != block.retention
+            ):
+                priority = rank(parent)
+            if len(dropped) == limit or not leaves.takes_next(priority, bar):
+                return dropped, parent, priority  # a pushed block loses ties: only "below" is sure
             block = parent
 
     # ------------------------------------------------------------ lower tiers
