@@ -527,6 +527,9 @@ class BlockPool:
         first_parent = parent
         indexing = store and (parent is None or parent.is_cached)
         ghosts = self.ghosts
+        # A pool that never evicted has nothing to recall (and a recall cannot make a
+        # ghost table answer anything new): decided once per run, not per block.
+        recall = ghosts.recall if ghosts else None
         num_stored = 0
         loaded: list[bool] = []  # per indexed block: an existing host record, now loaded
         run: list[Block] = []
@@ -558,8 +561,8 @@ class BlockPool:
                         parent.num_cached_children += 1
                     num_stored += 1
                     loaded.append(block is kept)
-                    if ghosts:  # a recomputed block gets back its uses (a loaded one kept them)
-                        uses = ghosts.recall(block_hash)
+                    if recall is not None:  # a recomputed block gets back its uses (a loaded one kept them)
+                        uses = recall(block_hash)
                         if block is not kept:
                             block.num_seen += uses
                     if mixed_salt is not None:
