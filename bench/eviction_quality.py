@@ -106,8 +106,8 @@ def measure(quick: bool) -> list[Cell]:
             for policy in POLICIES:
                 results[policy] = replay_directory(prompts, pool, BLOCK_SIZE, policy)
             results[VLLM] = replay_vllm(prompts, pool, BLOCK_SIZE)
-            if name == "one-off":
-                one_offs = [family < 0 for family in trace.family_ids]
+            one_offs = [family < 0 for family in trace.family_ids]
+            if any(one_offs):  # the traces with one-off (one-shot) requests
                 results[READ_ONLY] = replay_directory(
                     prompts, pool, BLOCK_SIZE, DEFAULT_POLICY, read_only=one_offs
                 )
@@ -156,6 +156,13 @@ def run(ctx: BenchContext) -> BenchResult:
         ),
         Figure(f"default ({default}) ÷ lru, best ({where(best_lru)})", round(best_lru.of(default, "lru"), 3)),
     ]
+    if READ_ONLY in conversation.results:  # what a client hint reaches where the server cannot tell
+        figures.append(
+            Figure(
+                f"{READ_ONLY} ÷ lru, conversation, pool {conversation.share:.0%}",
+                round(conversation.of(READ_ONLY, "lru"), 3),
+            )
+        )
     columns = [*POLICIES, VLLM, READ_ONLY]
 
     def table(base: str) -> str:
@@ -211,10 +218,11 @@ def run(ctx: BenchContext) -> BenchResult:
         "returns of the two sides' victims (admitted over probation return rate), closed where probation "
         "victims never come back, open where they come back about as often. `adaptive-ungated` is LRU plus a "
         "frequency bonus that each use class earns only when the ghost table shows its evicted blocks "
-        "coming back more often than one-use blocks; `lru+seen2`: blocks used once are evicted before any "
-        f"block used twice; `{READ_ONLY}`: the default with the trace's one-off requests sent with "
+        "coming back more often than one-use blocks, a horizon of bonus worth at least 64 releases; "
+        "`lru+seen2`: blocks used once are evicted before any "
+        f"block used twice; `{READ_ONLY}`: the default with the trace's one-off (one-shot) requests sent with "
         "cache_policy READ_ONLY (their new blocks are never indexed), as a client that knows they are "
-        "one-offs would."
+        "one-offs would (a conversation's last turn is never reused either, but no client knows it is last)."
     )
     return BenchResult("eviction", TITLE, figures, details, [plot])
 

@@ -129,14 +129,15 @@ class LfuDaPolicy:
 class AdaptivePolicy:
     """LRU, plus a frequency bonus only where frequency has been seen to predict reuse.
 
-    A block's priority is `last_tick + horizon × bonus[class]`: least recently
+    A block's priority is `last_tick + unit × bonus[class]`: least recently
     released first, except that a block of a use class (1, 2, 3, 4, 5+ uses: commits
     and hits, ghost-remembered ones included) whose evicted blocks have come back more
     often than one-use blocks' lives `log2(ratio) - MARGIN` horizons longer (capped).
     Return rates are learned from the ghost table (ARC's and S3-FIFO's signal): per
     class, evictions (`evicted`) against ghost hits (`returned`), decayed so the
     policy follows a changing workload. `horizon` is how long a one-use block survives
-    (an average of now - last_tick of one-use victims, in release ticks).
+    (an average of now - last_tick of one-use victims, in release ticks); `unit`, what a
+    horizon of bonus is worth, is the horizon but at least MIN_UNIT ticks.
 
     Measured (bench.eviction_quality): on chats, where a block's next use does not
     depend on how often it was used, every class returns at the same rate, no bonus
@@ -161,6 +162,14 @@ class AdaptivePolicy:
     MAX_BONUS = 8.0  # horizons
     HORIZON_WINDOW = 64  # one-use victims averaged into `horizon`
     MIN_HORIZON = 16.0  # ticks: the unit of retention priority before a horizon is known
+    # Ticks: the least one horizon of frequency bonus is worth. In a small pool one-use
+    # victims die within a release or two (few-shot at 2%: a horizon of 0.4 ticks), so a
+    # bonus of a few horizons protected a hot block for less than one release and
+    # frequency never paid where LFU gains most. Floored at 128, the default rose from
+    # 0.86 to 0.99 of the best other shipped policy on zipf at 2% and from 0.88 to 1.04 on
+    # few-shot at 2% (64: 0.98 and 1.04), and kept >= 0.98x lru everywhere; 256 cost the
+    # conversation trace at 5% 4% of lru's hits, 1024 21% (bench.eviction_quality).
+    MIN_UNIT = 128.0
     # Evictions between recomputations of the bonus table when no block returns. Without
     # returns the table only drifts down (a class's rate loses at most REFRESH of its
     # >= PRIOR evictions' weight), and the next return recomputes it at once. Recomputed at
@@ -204,7 +213,7 @@ class AdaptivePolicy:
         self.now = max(self.now, tick)
         if self._stale:
             self._update()
-        value = tick + self.horizon * self._bonus[min(5, uses) - 1]
+        value = tick + max(self.horizon, self.MIN_UNIT) * self._bonus[min(5, uses) - 1]
         if block.retention:  # before the first evictions there is no horizon: a floor
             value += max(self.horizon, self.MIN_HORIZON) * math.log2(retention_weight(block))
         return (value, tick, uses)

@@ -67,6 +67,23 @@ def test_adaptive_earns_a_frequency_bonus_only_where_frequent_blocks_return_more
     assert chat_like.priority(_block(last_tick=now - 1, seen=5)) < chat_like.priority(_block(last_tick=now))
 
 
+def test_a_bonus_horizon_is_worth_min_unit_ticks_where_one_use_victims_die_young():
+    """A small pool evicts one-use blocks within a release or two: a bonus measured in
+    their age alone would protect a hot block for less than one release."""
+    policy = AdaptivePolicy()
+    for i in range(2_000):
+        for uses, share in {1: 0.1, 5: 0.9}.items():
+            policy.now = i + 1  # victims are one tick old
+            policy.evicted((float(i), i, uses))
+            if (i * share) % 1 + share >= 1:
+                policy.returned(uses)
+    assert policy.horizon < 2
+    assert policy.bonus[4] > 2
+    now = policy.now
+    hot = _block(last_tick=now - AdaptivePolicy.MIN_UNIT, seen=5)
+    assert policy.priority(hot) > policy.priority(_block(last_tick=now))
+
+
 def test_lfuda_ages_old_frequency_away():
     policy = LfuDaPolicy()
     stale = policy.priority(_block(last_tick=1, hits=3))  # value 4 at age 0
