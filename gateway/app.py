@@ -291,10 +291,9 @@ async def _events(
                 text = prefix + text
             if text or reason or not started[index] or chunk.logprobs:
                 first = reply.kind == "chat" and not started[index]
-                payload = reply.chunk(
+                yield reply.chunk_event(
                     index, text, reason, first=first, with_usage=req.include_usage, logprobs=logprobs
                 )
-                yield sse(payload)
                 started[index] = True
         usage = usage_body(usages, req.n)
         if req.include_usage:

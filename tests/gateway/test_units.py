@@ -11,7 +11,7 @@ from clients.types import ChatMessage, Usage
 from gateway.__main__ import parse_args
 from gateway.config import GatewayConfig
 from gateway.errors import GRPC_STATUS, ApiError, from_daemon
-from gateway.responses import Reply, usage_body
+from gateway.responses import Reply, sse, usage_body
 from gateway.schema import parse_chat, parse_completion
 from gateway.tenants import Tenants, parse_keys, salt_for
 
@@ -384,3 +384,27 @@ def test_the_directory_mirror_is_on_unless_turned_off(monkeypatch) -> None:
 def test_config_refuses_bad_values(kwargs) -> None:
     with pytest.raises(ValueError):
         GatewayConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streamed_chunk_events_are_the_dict_paths_bytes(kind) -> None:
+    """`Reply.chunk_event` (the per-token template) writes what `sse(Reply.chunk(...))` writes."""
+    reply = Reply(kind, 'model "q" \u00e9', "id-\\1", 1_700_000_000)
+    texts = [
+        "",
+        " word",
+        'a "quote" \\ back',
+        "tab\there\nnew",
+        "\u00e9\u4e2d\U0001f600",
+        "\x00\x1f\x7f",
+        "</s>",
+    ]
+    for index in (0, 3):
+        for text in texts:
+            for reason in (None, "stop", "length"):
+                for first in (False, True):
+                    for with_usage in (False, True):
+                        for logprobs in (None, {"content": [], "refusal": None}):
+                            args = (index, text, reason)
+                            kwargs = {"first": first, "with_usage": with_usage, "logprobs": logprobs}
+                            assert reply.chunk_event(*args, **kwargs) == sse(reply.chunk(*args, **kwargs))
