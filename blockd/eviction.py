@@ -290,6 +290,14 @@ class GatedPolicy:
     rates, the gate stays open there (>= 0.98x lru on every trace and pool) and closes
     as far as before on Zipf and one-off traffic.
 
+    What no gate can do there (bench.eviction_quality's conversation trace, pool 2%):
+    evicting first exactly the blocks never used again reaches the optimum (0.29 hit
+    rate against lru's 0.12), but most reuse is a conversation's second turn, whose
+    blocks were seen once, like a one-shot's: admission on a key seen before, with an
+    unbounded memory, gains 1% over lru; the best rule on what a pool could record
+    (the length of the run a block was computed in: long fresh runs are one-shots) 1.35x;
+    one-shot requests sent with cache_policy READ_ONLY by a client that knows, 1.42x.
+
     O(1) per priority and per event, like the inner policy (counters in inflated units,
     the gate recomputed after a return or every REFRESH evictions, when next read); heap
     entries keep the penalty they were pushed with (comparable: both are times)."""
