@@ -47,6 +47,14 @@ def retention_weight(block: Block) -> float:
 
 
 class EvictionPolicy(Protocol):
+    """Ranks evictable leaves: the smallest priority goes first.
+
+    `priority` may read only the block's `last_tick`, `num_seen`, `num_hits` and
+    `retention`, besides the policy's own state: a parent released with its child
+    (all four equal) takes the child's priority when eviction reaches it
+    (`BlockPool._drop_chain`). `evicted` is told each victim's priority, `returned` each
+    ghost that came back (its remembered uses)."""
+
     name: str
 
     def priority(self, block: Block) -> Priority: ...

@@ -635,13 +635,13 @@ class BlockPool:
         blocks. Answers the dropped blocks and the evictable leaf left behind, if any,
         with its priority, for the caller to push.
 
-        A parent released with its child (same tick, uses and retention: what a policy
-        ranks by) takes the child's `priority` (the one its heap entry was pushed with)
-        instead of a fresh one: the chain was released as one, and a fresh priority
-        drifts with the policy's state, so interleaved chains of one Step broke after a
-        few blocks each (bench.blockd_grpc: 17.7 heap pops and 128 priorities per
-        128-block eviction, takes_next ~20% of blockd's time in process; now one pop and
-        one priority per chain). A flush drops one block at a time (limit 1)."""
+        A parent released with its child (same tick, uses and retention: all a policy
+        may rank by, `EvictionPolicy`) takes the child's `priority` (the one its heap
+        entry was pushed with) instead of a fresh one: the chain was released as one,
+        and a fresh priority drifts with the policy's state, so interleaved chains of
+        one Step broke after a few blocks each (bench.blockd_grpc: 17.7 heap pops and
+        128 priorities per 128-block eviction, takes_next ~20% of blockd's time in
+        process; now one priority per chain). A flush drops one block at a time (limit 1)."""
         index, records, leaves = self.index, self.blocks, self.leaves
         rank = leaves.priority
         dropped: list[Block] = []
@@ -664,7 +664,8 @@ class BlockPool:
             if (
                 priority is None
                 or parent.last_tick != block.last_tick
-                or parent.num_seen + parent.num_hits != block.num_seen + block.num_hits
+                or parent.num_hits != block.num_hits
+                or parent.num_seen != block.num_seen
                 or parent.retention != block.retention
             ):
                 priority = rank(parent)
