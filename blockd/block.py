@@ -64,6 +64,7 @@ class Block:
         "pin_count",
         "ref_count",
         "retention",
+        "run_length",
         "token_bytes",
     )
 
@@ -99,6 +100,9 @@ class Block:
         self.num_seen = 1
         # Retention priority 1..100 (0: unset), the highest any releasing request asked.
         self.retention = 0
+        # Uncached full blocks its sequence brought at admission (0: unknown, e.g. a
+        # resync's or an adopted host record's): long fresh runs are often one-shots.
+        self.run_length = 0
         self.heap_key: int | None = None  # key of its valid entry in the evictable heap
         self.host_block_id: HostBlockId | None = None
         self.host_refs = 0
@@ -138,6 +142,7 @@ class Sequence:
         "committed",
         "loading",
         "retention",
+        "run_length",
         "salt",
         "salt_block",
         "sequence_id",
@@ -154,6 +159,7 @@ class Sequence:
         salt_block: int | None,
         cache_policy: CachePolicy = CachePolicy.STORE,
         retention: int = 0,
+        run_length: int = 0,
     ) -> None:
         self.sequence_id = sequence_id
         self.block_ids = block_ids
@@ -166,6 +172,7 @@ class Sequence:
         self.loading: list[Block] = []
         self.cache_policy = cache_policy  # STORE: its committed blocks are indexed
         self.retention = retention  # stamped on its blocks at release (0: unset)
+        self.run_length = run_length  # stamped on the blocks it commits (Block.run_length)
 
     @property
     def num_committed(self) -> int:

@@ -74,6 +74,7 @@ class Ghost:
     cause: str  # the evicting policy's name, FLUSH or NOT_STORED
     at: float  # clock seconds when it left
     num_uses: int  # commits and hits it had had (carried into a recommit)
+    run_length: int = 0  # the uncached blocks its sequence brought (Block.run_length)
 
     @property
     def not_admitted(self) -> bool:
@@ -115,16 +116,16 @@ class GhostTable:
         self,
         capacity: int,
         clock: Callable[[], float],
-        on_return: Callable[[int], None] | None = None,
+        on_return: Callable[[int, int], None] | None = None,
     ) -> None:
         assert capacity >= 0, "capacity must be >= 0"
         self.capacity = capacity
         self._clock = clock
         self._on_return = on_return  # the policy's `returned`: a ghost came back
-        # hash -> (cause, at, num_uses): a Ghost is built only when one is asked for (a
+        # hash -> (cause, at, num_uses, run_length): a Ghost is built only when one is asked for (a
         # tuple per evicted block, not a frozen dataclass: `remember` runs once per
         # eviction, bench.blockd_grpc evicts a 128-block chain per admission)
-        self._ghosts: OrderedDict[BlockHash, tuple[str, float, int]] = OrderedDict()
+        self._ghosts: OrderedDict[BlockHash, tuple[str, float, int, int]] = OrderedDict()
         self.salted: dict[BlockHash, int] = {}
         # Every hash that left, for far longer than the ghosts (hash only, approximate).
         self.keys = KeyMemory(int(KEYS_PER_GHOST * capacity))
@@ -144,17 +145,18 @@ class GhostTable:
         entry = self._ghosts.get(block_hash)
         return Ghost(*entry) if entry is not None else None
 
-    def remember(self, hashes_and_uses: list[tuple[BlockHash, int]], cause: str) -> None:
-        """Blocks that just left the index (or were never stored), oldest first."""
+    def remember(self, hashes_and_uses: list[tuple[BlockHash, int, int]], cause: str) -> None:
+        """Blocks that just left the index (or were never stored), oldest first: each
+        (hash, uses, run length: `Block.run_length`, which the policy learns by)."""
         if not self.capacity:
             return
         ghosts = self._ghosts
         pop = ghosts.pop
         now = self._clock()
-        for block_hash, num_uses in hashes_and_uses:
+        for block_hash, num_uses, run_length in hashes_and_uses:
             pop(block_hash, None)  # refresh: it moves to the young end
-            ghosts[block_hash] = (cause, now, num_uses)
-        self.keys.add_many([block_hash for block_hash, _ in hashes_and_uses])
+            ghosts[block_hash] = (cause, now, num_uses, run_length)
+        self.keys.add_many([entry[0] for entry in hashes_and_uses])
         excess = len(ghosts) - self.capacity
         if excess > 0:
             popitem = ghosts.popitem
@@ -168,14 +170,14 @@ class GhostTable:
         entry = self._ghosts.pop(block_hash, None)
         if entry is None:
             return 1 if block_hash in self.keys else 0
-        cause, _, num_uses = entry
+        cause, _, num_uses, run_length = entry
         # Every victim of the policy that returns teaches it (EVICTED and NOT_ADMITTED
         # alike: the gate opens on probation victims' returns); a flush or cache_policy
         # is no verdict on the policy. Teaching only EVICTED ghosts left the gate unable to
         # open once NOT_ADMITTED became a reason of its own (0.54-0.76x lru on the
         # conversation trace, bench.eviction_quality).
         if self._on_return is not None and cause != FLUSH and cause != NOT_STORED:
-            self._on_return(num_uses)
+            self._on_return(num_uses, run_length)
         return num_uses
 
     def add_salted(self, salt_free_hash: BlockHash) -> None:

@@ -290,7 +290,15 @@ class BlockPool:
         self._end_op()
         salt_block = prompt.salt_block(self.block_size)
         sequence = Sequence(
-            sequence_id, block_ids, hits, prompt.token_bytes, prompt.salt, salt_block, cache_policy, retention
+            sequence_id,
+            block_ids,
+            hits,
+            prompt.token_bytes,
+            prompt.salt,
+            salt_block,
+            cache_policy,
+            retention,
+            max(0, num_tokens // self.block_size - len(kept)),  # the run its commits stamp
         )
         self.sequences[sequence_id] = sequence
         num_cached_tokens = len(kept) * self.block_size
@@ -347,7 +355,9 @@ class BlockPool:
         payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
         store = sequence.cache_policy is CachePolicy.STORE
-        run = self._commit_run(parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index, store)
+        run = self._commit_run(
+            parent, block_ids, hashes, blocks, payloads, sequence.salt, salt_index, store, sequence.run_length
+        )
         committed += run
         if store:
             for tier in self.lower_tiers:
@@ -413,7 +423,7 @@ class BlockPool:
             for tier in self.lower_tiers:
                 tier.left_device(block)
         self.num_evictable -= len(dropped)
-        self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits) for b in dropped], FLUSH)
+        self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits, b.run_length) for b in dropped], FLUSH)
         self.free.give_all([block.block_id for block in dropped])  # type: ignore[misc]
         for i in range(0, len(dropped), EVENT_CHUNK):
             chunk = dropped[i : i + EVENT_CHUNK]
@@ -508,6 +518,7 @@ class BlockPool:
         salt: str,
         salt_index: int | None,
         store: bool = True,
+        run_length: int = 0,
     ) -> list[Block]:
         """Records for a run of blocks its sequence has just written, parent to child
         (`salt_index` counts from the run's first block); answers them. A block is
@@ -515,7 +526,9 @@ class BlockPool:
         or its parent is not findable (it could never be reached by a walk), or `store`
         is False (its request's cache_policy), so the indexed blocks are a prefix of
         the run: one STORED event, cut from the inputs. An indexed block gets back the
-        uses the ghost table remembered for its hash."""
+        uses the ghost table remembered for its hash. A new record is stamped with
+        `run_length` (its sequence's, at admission; 0 for a resync); an adopted host
+        record keeps the run it was computed in."""
         records = self.blocks
         index = self.index
         record_tier = self._record_tier
@@ -550,6 +563,7 @@ class BlockPool:
                 record_tier.adopt(block, parent)  # type: ignore[union-attr]
             else:
                 block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
+                block.run_length = run_length
             records[block_id] = block
             if indexing:
                 if block_hash in index:
@@ -572,7 +586,9 @@ class BlockPool:
         for tier in self.lower_tiers:
             tier.run_committed(run, loaded)
         if not store:
-            ghosts.remember([(b.block_hash, 1) for b in run if b.block_hash not in index], NOT_STORED)
+            ghosts.remember(
+                [(b.block_hash, 1, run_length) for b in run if b.block_hash not in index], NOT_STORED
+            )
         if self.sightings is not None:  # computed here: seen once (a load was seen as a hit)
             self.sightings.see([hashes[i] for i in range(num_stored) if not loaded[i]])
         start = 0
@@ -619,7 +635,9 @@ class BlockPool:
                 demote(dropped)
         self.num_evictable -= num
         self.counters.num_evictions += num
-        self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits) for b in evicted], leaves.policy.name)
+        self.ghosts.remember(
+            [(b.block_hash, b.num_seen + b.num_hits, b.run_length) for b in evicted], leaves.policy.name
+        )
         block_ids = [block.block_id for block in evicted]
         self._events.append(
             EventKind.REMOVED, self.pool_id, tuple([b.block_hash for b in evicted]), tuple(block_ids)
@@ -635,8 +653,8 @@ class BlockPool:
         blocks. Answers the dropped blocks and the evictable leaf left behind, if any,
         with its priority, for the caller to push.
 
-        A parent released with its child (same tick, uses and retention: all a policy
-        may rank by, `EvictionPolicy`) takes the child's `priority` (the one its heap
+        A parent released with its child (same tick, uses, retention and run length: all
+        a policy may rank by, `EvictionPolicy`) takes the child's `priority` (the one its heap
         entry was pushed with) instead of a fresh one: the chain was released as one,
         and a fresh priority drifts with the policy's state, so interleaved chains of
         one Step broke after a few blocks each (bench.blockd_grpc: 17.7 heap pops and
@@ -667,6 +685,7 @@ class BlockPool:
                 or parent.num_hits != block.num_hits
                 or parent.num_seen != block.num_seen
                 or parent.retention != block.retention
+                or parent.run_length != block.run_length
             ):
                 priority = rank(parent)
             if len(dropped) == limit or not leaves.takes_next(priority, bar):

@@ -61,8 +61,8 @@ def test_ghost_table_remembers_keys_long_after_their_ghosts():
     ghosts = GhostTable(10, lambda: 0.0)
     assert ghosts.keys.capacity == KEYS_PER_GHOST * 10
     first = _hash(rng)
-    ghosts.remember([(first, 3)], "adaptive")
-    ghosts.remember([(_hash(rng), 1) for _ in range(15)], "adaptive")
+    ghosts.remember([(first, 3, 0)], "adaptive")
+    ghosts.remember([(_hash(rng), 1, 0) for _ in range(15)], "adaptive")
     assert first not in ghosts  # the ghost is gone (10 kept) ...
     assert ghosts.recall(first) == 1  # ... the key memory still says: seen before
     assert ghosts.recall(_hash(rng)) == 0
@@ -104,7 +104,7 @@ def test_a_block_on_probation_goes_before_older_admitted_blocks():
 def _victims(policy: GatedPolicy, probation_returns: float, admitted_returns: float, n: int = 2_000) -> None:
     for i in range(n):
         for uses, share in ((1, probation_returns), (2, admitted_returns)):
-            policy.evicted((float(i), i, uses))
+            policy.evicted((float(i), i, uses, 0))
             if (i * share) % 1 + share >= 1:
                 policy.returned(uses)
 
@@ -211,8 +211,8 @@ def test_a_probation_victim_that_returns_opens_the_gate():
     assert policy.penalty > 0 and policy.gate == GatedPolicy.MAX_PENALTY
     ghosts = GhostTable(1_000, lambda: 0.0, policy.returned)
     one_offs = [bytes([i % 256, i // 256]) * 8 for i in range(600)]
-    ghosts.remember([(h, 1) for h in one_offs], GatedPolicy.name)
-    ghosts.remember([(b"f" * 16, 1)], "flush")
+    ghosts.remember([(h, 1, 0) for h in one_offs], GatedPolicy.name)
+    ghosts.remember([(b"f" * 16, 1, 0)], "flush")
     assert ghosts.get(one_offs[0]).reason is MissReason.NOT_ADMITTED
     returns = policy._returns[0]
     assert ghosts.recall(b"f" * 16) == 1  # a flush says nothing about the policy
@@ -228,7 +228,7 @@ def test_decayed_counters_in_inflated_units_match_per_eviction_decay():
     rng = random.Random(3)
     for i in range(30_000):
         uses = rng.choice((1, 1, 1, 2, 3, 7))
-        policy.evicted((float(i), i, uses))
+        policy.evicted((float(i), i, uses, 0))
         evictions = [e * AdaptivePolicy.DECAY for e in evictions]
         returns = [r * AdaptivePolicy.DECAY for r in returns]
         evictions[min(uses, 5) - 1] += 1
@@ -239,7 +239,7 @@ def test_decayed_counters_in_inflated_units_match_per_eviction_decay():
     assert policy.returns == [pytest.approx(r, rel=1e-9) for r in returns]
     policy._scale = AdaptivePolicy.RENORMALISE  # the next eviction renormalises
     before = policy.evictions
-    policy.evicted((0.0, 0, 1))
+    policy.evicted((0.0, 0, 1, 0))
     assert policy._scale == 1.0
     assert policy.evictions[1:] == [pytest.approx(e * AdaptivePolicy.DECAY, rel=1e-9) for e in before[1:]]
 
@@ -247,7 +247,7 @@ def test_decayed_counters_in_inflated_units_match_per_eviction_decay():
 def test_the_bonus_table_is_recomputed_after_a_return_or_refresh_evictions():
     policy = AdaptivePolicy()
     for i in range(2_000):
-        policy.evicted((float(i), i, 1 if i % 2 else 3))
+        policy.evicted((float(i), i, 1 if i % 2 else 3, 0))
         if i % 2 == 0 and i % 10 == 0:
             policy.returned(3)
     assert policy.bonus[2] > 0  # 3-use victims return, one-use victims never
@@ -257,7 +257,7 @@ def test_the_bonus_table_is_recomputed_after_a_return_or_refresh_evictions():
     assert policy.bonus == fresh._bonus  # read after a return: up to date
     table = list(policy.bonus)
     for i in range(AdaptivePolicy.REFRESH - 1):
-        policy.evicted((0.0, 0, 3))
+        policy.evicted((0.0, 0, 3, 0))
     assert policy.bonus == table  # fewer than REFRESH evictions, no return: the same table
-    policy.evicted((0.0, 0, 3))
+    policy.evicted((0.0, 0, 3, 0))
     assert policy.bonus != table  # the REFRESH-th: recomputed (3-use victims without returns)

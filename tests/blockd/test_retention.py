@@ -45,7 +45,7 @@ def _teach(policy: AdaptivePolicy, returns_by_uses: dict[int, float], evictions:
         for uses, share in returns_by_uses.items():
             tick = i * 10
             policy.now = tick + 50  # one-use victims are 50 ticks old: horizon -> 50
-            policy.evicted((float(tick), tick, uses))
+            policy.evicted((float(tick), tick, uses, 0))
             if (i * share) % 1 + share >= 1:
                 policy.returned(uses)
 
@@ -67,6 +67,44 @@ def test_adaptive_earns_a_frequency_bonus_only_where_frequent_blocks_return_more
     assert chat_like.priority(_block(last_tick=now - 1, seen=5)) < chat_like.priority(_block(last_tick=now))
 
 
+def test_adaptive_shortens_the_life_of_one_use_blocks_of_runs_whose_victims_never_return():
+    """Scan resistance by run length: one-use blocks computed in long runs (pasted
+    one-shot documents) never come back, short runs (a conversation's next turn) do."""
+    policy = AdaptivePolicy()
+    for i in range(2_000):
+        for run_length, share in ((100, 0.0), (2, 0.5)):
+            policy.now = i * 10 + 50
+            run = min(AdaptivePolicy.NUM_RUNS - 1, run_length.bit_length())
+            policy.evicted((float(i * 10), i * 10, 1, run))
+            if (i * share) % 1 + share >= 1:
+                policy.returned(1, run_length)
+    policy.bonus  # noqa: B018 (recomputes the tables)
+    assert policy._run_bonus[7] < -2  # never returns: aged
+    assert policy._run_bonus[2] == 0 and policy._run_bonus[0] == 0  # returns more / no evidence
+    now = policy.now
+    scan, turn = _block(last_tick=now), _block(last_tick=now - AdaptivePolicy.MIN_UNIT)
+    scan.run_length, turn.run_length = 100, 2
+    assert policy.priority(scan) < policy.priority(turn)
+    hot = _block(last_tick=now, seen=3)
+    hot.run_length = 100  # a block used again is ranked by its uses alone
+    assert policy.priority(hot)[3] == 0
+
+
+def test_blocks_carry_their_sequences_run_length_into_the_ghost_table():
+    h = harness(num_blocks=8, block_size=2, eviction_policy="lru")
+    h.run(1, [1, 2, 3, 4, 5, 6, 7])  # 3 full blocks uncached at admission
+    assert {b.run_length for b in h.pool.index.values()} == {3}
+    h.run(2, [1, 2, 3, 4, 5, 6, 8, 8])  # 3 hits, 1 new
+    assert sorted(b.run_length for b in h.pool.index.values()) == [1, 3, 3, 3]
+    turn = next(b for b in h.pool.index.values() if b.run_length == 1)
+    document = turn.parent
+    h.run(3, [9, 9, 9, 9, 9, 9, 9, 9])  # 4 blocks, all free
+    h.run(4, [10, 10, 10, 10])  # evicts the oldest chain's tail: [8 8], then [5 6]
+    ghosts = h.pool.ghosts
+    assert ghosts.get(turn.block_hash).run_length == 1
+    assert ghosts.get(document.block_hash).run_length == 3
+
+
 def test_a_bonus_horizon_is_worth_min_unit_ticks_where_one_use_victims_die_young():
     """A small pool evicts one-use blocks within a release or two: a bonus measured in
     their age alone would protect a hot block for less than one release."""
@@ -74,7 +112,7 @@ def test_a_bonus_horizon_is_worth_min_unit_ticks_where_one_use_victims_die_young
     for i in range(2_000):
         for uses, share in {1: 0.1, 5: 0.9}.items():
             policy.now = i + 1  # victims are one tick old
-            policy.evicted((float(i), i, uses))
+            policy.evicted((float(i), i, uses, 0))
             if (i * share) % 1 + share >= 1:
                 policy.returned(uses)
     assert policy.horizon < 2
@@ -146,7 +184,7 @@ def test_retention_priority_out_of_range_is_refused_and_changes_nothing():
 
 def test_ghost_table_is_bounded_and_forgets_the_oldest():
     ghosts = GhostTable(3, lambda: 5.0)
-    ghosts.remember([(bytes([i]) * 16, i) for i in range(5)], "lru")
+    ghosts.remember([(bytes([i]) * 16, i, 0) for i in range(5)], "lru")
     assert len(ghosts) == 3
     assert bytes([0]) * 16 not in ghosts and bytes([4]) * 16 in ghosts
     assert ghosts.recall(bytes([4]) * 16) == 4 and bytes([4]) * 16 not in ghosts
