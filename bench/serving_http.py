@@ -51,20 +51,11 @@ WORKLOADS = {
     "unrelated": ["--dataset-name", "random", "--random-input-len", "1040", "--random-output-len", "64"],
 }  # fmt: skip
 DTYPES = ("float32", "bfloat16")
-# computed's torch threads: every core but one, which the gateway, blockd and the load
-# generator share (as vLLM's CPU guide reserves cores for its API server). Why: together
-# those processes spend about as much CPU per streamed token as the forward does (per
-# 8,192 tokens of the shared workload, bfloat16: ~0.8 CPU-s in the gateway, 0.7 in the
-# client, 0.8 on computed's event loop, against ~2.0 in a 1-thread forward); with a torch
-# thread on every core each of their wake-ups stalls a parallel region of the forward,
-# whose other thread spins at the barrier. Shared workload, bfloat16, 6 interleaved pairs
-# on the 2-core machine while others ran: median 2,150 output tok/s with 1 thread (runs
-# of 1,795-2,445) against 1,220 with 2 (850-2,180). vLLM's server bound to 1 core did
-# worse than on both (median 1,925 against 2,000), so it keeps every core.
-COMPUTED_THREADS = {
-    "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1)),
-    "MKL_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1)),
-}
+# computed keeps torch's default threads (one per core). Tried: every core but one, left to
+# the gateway, blockd and the client: the shared workload (streaming-bound) did better on
+# the 2-core machine while others ran (6 interleaved pairs, bfloat16: median 2,150 output
+# tok/s against 1,220), but the unrelated one (1,040-token prefills) lost half its prefill
+# speed: one full run of this benchmark gave 0.82x vLLM there (1.31x with every core).
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
@@ -103,10 +94,8 @@ def run(ctx: BenchContext) -> BenchResult:
         figures.append(Figure(f"ours ÷ vLLM output tok/s, {name}", round(throughput, 2), "x", None))
     details = (
         f"`vllm bench serve` (vLLM 0.32's CLI from .venv-vllm), {num_prompts} requests, 32 in flight, streamed, "
-        "64 tokens out, `--ignore-eos`, against our stack (blockd + one computed + the gateway; computed "
-        f"with {COMPUTED_THREADS['OMP_NUM_THREADS']} torch thread(s): every core but one, which the gateway, "
-        "blockd and the client share) and vLLM's OpenAI server (block size 32, every core), same model, "
-        "same machine; per dtype (float32, then bfloat16) each "
+        "64 tokens out, `--ignore-eos`, against our stack (blockd + one computed + the gateway) and vLLM's "
+        "OpenAI server (block size 32), same model, same machine; per dtype (float32, then bfloat16) each "
         "workload runs on vLLM's server and then on ours. The headline rows compare each side's fastest "
         "run per workload, whatever its dtype; the rows below them compare the same dtype. Neither side is "
         "told a temperature: ours serves greedy, vLLM its checkpoint's generation config.\n\n" + table(rows)
@@ -136,13 +125,7 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
     try:
         for dtype in DTYPES:
             computed = start_computed(
-                out,
-                blockd.address,
-                "--dtype",
-                dtype,
-                model=MODEL_DIR,
-                name=f"computed-{dtype}",
-                env=COMPUTED_THREADS,
+                out, blockd.address, "--dtype", dtype, model=MODEL_DIR, name=f"computed-{dtype}"
             )
             gateway = start_gateway(out, [computed.address], blockd=blockd.address, name=f"gateway-{dtype}")
             vllm, vllm_url = _start_vllm(out, dtype)
