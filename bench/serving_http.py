@@ -54,8 +54,9 @@ DTYPES = ("float32", "bfloat16")
 # computed keeps torch's default threads (one per core). Tried: every core but one, left to
 # the gateway, blockd and the client: the shared workload (streaming-bound) did better on
 # the 2-core machine while others ran (6 interleaved pairs, bfloat16: median 2,150 output
-# tok/s against 1,220), but the unrelated one (1,040-token prefills) lost half its prefill
-# speed: one full run of this benchmark gave 0.82x vLLM there (1.31x with every core).
+# tok/s against 1,220), but the unrelated one (1,040-token prefills, compute-bound) lost:
+# one full run of this benchmark, as busy, gave 0.82x vLLM there (1.31x with every core
+# on a quiet machine, the run before).
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
