@@ -661,11 +661,12 @@ class BlockPool:
         128 priorities per 128-block eviction, takes_next ~20% of blockd's time in
         process; now one priority per chain). A flush drops one block at a time (limit 1)."""
         index, records, leaves = self.index, self.blocks, self.leaves
-        rank = leaves.priority
+        rank, evicted = leaves.priority, leaves.policy.evicted
         dropped: list[Block] = []
+        below = False  # `priority` was found below `bar` (it stays so while inherited)
         while True:
-            assert index.get(block.block_hash) is block, f"{block} is not indexed"
-            del index[block.block_hash]
+            indexed = index.pop(block.block_hash, None)
+            assert indexed is block, f"{block} is not indexed"
             del records[block.block_id]
             block.is_cached = False
             block.heap_key = None
@@ -688,7 +689,14 @@ class BlockPool:
                 or parent.run_length != block.run_length
             ):
                 priority = rank(parent)
-            if len(dropped) == limit or not leaves.takes_next(priority, bar):
+                below = False
+            if len(dropped) == limit:
+                return dropped, parent, priority
+            if below:  # an inherited priority against the same bar: `takes_next`'s answer again
+                evicted(priority)
+            elif leaves.takes_next(priority, bar):
+                below = True
+            else:
                 return dropped, parent, priority  # a pushed block loses ties: only "below" is sure
             block = parent
 
