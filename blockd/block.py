@@ -76,7 +76,12 @@ class Block:
         token_bytes: bytes,
         mixed_salt: str | None,
         payload: bytes,
+        run_length: int = 0,
+        is_cached: bool = False,
+        num_cached_children: int = 0,
     ) -> None:
+        """`run_length`, `is_cached` and `num_cached_children` are given by a commit that
+        indexes a whole run at once (`BlockPool._commit_run`): one call per block."""
         self.block_id = block_id
         self.block_hash = block_hash
         self.parent = parent
@@ -84,14 +89,16 @@ class Block:
         self.mixed_salt = mixed_salt
         self.payload = payload
         # The salt the chain carries from here on (for flushing one tenant's blocks).
-        self.chain_salt = (
-            mixed_salt if mixed_salt is not None else (parent.chain_salt if parent is not None else None)
-        )
-        self.depth = 0 if parent is None else parent.depth + 1
+        if parent is None:
+            self.chain_salt = mixed_salt
+            self.depth = 0
+        else:
+            self.chain_salt = mixed_salt if mixed_salt is not None else parent.chain_salt
+            self.depth = parent.depth + 1
         self.ref_count = 1
         self.pin_count = 0
-        self.num_cached_children = 0
-        self.is_cached = False
+        self.num_cached_children = num_cached_children
+        self.is_cached = is_cached
         self.last_tick = 0  # logical time of the last release/unpin (LRU recency)
         self.num_hits = 0  # verified hits (LFU frequency)
         # Uses before the first hit: its commit, plus the uses the pool's ghost table
@@ -102,7 +109,7 @@ class Block:
         self.retention = 0
         # Uncached full blocks its sequence brought at admission (0: unknown, e.g. a
         # resync's or an adopted host record's): long fresh runs are often one-shots.
-        self.run_length = 0
+        self.run_length = run_length
         self.heap_key: int | None = None  # key of its valid entry in the evictable heap
         self.host_block_id: HostBlockId | None = None
         self.host_refs = 0

@@ -529,60 +529,29 @@ class BlockPool:
         uses the ghost table remembered for its hash. A new record is stamped with
         `run_length` (its sequence's, at admission; 0 for a resync); an adopted host
         record keeps the run it was computed in."""
-        records = self.blocks
         index = self.index
-        record_tier = self._record_tier
-        find_record = record_tier.find_record if record_tier is not None else None
-        assert records.keys().isdisjoint(block_ids), "a block of the run is already committed"
+        assert self.blocks.keys().isdisjoint(block_ids), "a block of the run is already committed"
         salts: list[str | None] = [None] * len(block_ids)
         if salt_index is not None and 0 <= salt_index < len(salts):
             salts[salt_index] = salt
+        else:
+            salt_index = None  # the run holds no salted block
         first_parent = parent
         indexing = store and (parent is None or parent.is_cached)
         ghosts = self.ghosts
-        # A pool that never evicted has nothing to recall (and a recall cannot make a
-        # ghost table answer anything new): decided once per run, not per block.
-        recall = ghosts.recall if ghosts else None
-        num_stored = 0
-        loaded: list[bool] = []  # per indexed block: an existing host record, now loaded
         run: list[Block] = []
-        append = run.append
-        for block_id, block_hash, tokens, payload, mixed_salt in zip(
-            block_ids, hashes, blocks, payloads, salts
+        if not indexing or (
+            self._record_tier is None and len(set(hashes)) == len(hashes) and index.keys().isdisjoint(hashes)
         ):
-            kept = None
-            if find_record is not None and indexing and block_hash not in index:
-                kept = find_record(block_hash)
-            if kept is not None and not kept.is_cached and kept.parent is parent and kept.payload == payload:
-                # The content's host-only record (loaded, or recomputed beside it) gains
-                # this device copy: one record per content block, its history kept.
-                block = kept
-                assert block.ref_count == 0, f"a host-only record is unreferenced: {block}"
-                block.block_id = block_id
-                block.ref_count = 1
-                record_tier.adopt(block, parent)  # type: ignore[union-attr]
-            else:
-                block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload)
-                block.run_length = run_length
-            records[block_id] = block
-            if indexing:
-                if block_hash in index:
-                    indexing = False  # this block and its descendants stay unfindable
-                else:
-                    index[block_hash] = block
-                    block.is_cached = True
-                    if parent is not None:
-                        parent.num_cached_children += 1
-                    num_stored += 1
-                    loaded.append(block is kept)
-                    if recall is not None:  # a recomputed block gets back its uses (a loaded one kept them)
-                        uses = recall(block_hash)
-                        if block is not kept:
-                            block.num_seen += uses
-                    if mixed_salt is not None:
-                        ghosts.add_salted(self._salt_free_hash(block))
-            append(block)
-            parent = block
+            num_stored = self._new_run(
+                run, parent, block_ids, hashes, blocks, payloads, salts, salt_index, indexing, run_length
+            )
+            loaded = [False] * num_stored  # per indexed block: an existing host record, now loaded
+        else:
+            loaded = self._run_by_block(
+                run, parent, block_ids, hashes, blocks, payloads, salts, indexing, run_length
+            )
+            num_stored = len(loaded)
         for tier in self.lower_tiers:
             tier.run_committed(run, loaded)
         if not store:
@@ -607,6 +576,115 @@ class BlockPool:
             )
             start = end
         return run
+
+    def _new_run(
+        self,
+        run: list[Block],
+        parent: Block | None,
+        block_ids: list[BlockId],
+        hashes: list[BlockHash],
+        blocks: list[bytes],
+        payloads: list[bytes],
+        salts: list[str | None],
+        salt_index: int | None,
+        indexing: bool,
+        run_length: int,
+    ) -> int:
+        """`_commit_run`'s common case: no tier holds records to adopt, and the whole run
+        is indexed (`indexing`: no entry with any of its hashes, none twice in it) or
+        none of it. Each block is made in one call with its final state and the dicts
+        are updated in bulk: a commit of bench.blockd_inprocess indexes 128 new blocks.
+        `salt_index`: the salted block of the run, if any. Appends the records to `run`;
+        answers how many were indexed."""
+        num = len(block_ids)
+        # indexed: each block's one cached child is the next of the run
+        children = [1] * num if indexing else [0] * num
+        if num and indexing:
+            children[-1] = 0
+        append = run.append
+        for block_id, block_hash, tokens, payload, mixed_salt, num_children in zip(
+            block_ids, hashes, blocks, payloads, salts, children
+        ):
+            parent = Block(
+                block_id, block_hash, parent, tokens, mixed_salt, payload, run_length, indexing, num_children
+            )
+            append(parent)
+        self.blocks.update(zip(block_ids, run))
+        if not indexing or not num:
+            return 0
+        self.index.update(zip(hashes, run))
+        first_parent = run[0].parent
+        if first_parent is not None:
+            first_parent.num_cached_children += 1
+        ghosts = self.ghosts
+        if ghosts:  # a pool that never evicted has nothing to recall (decided once per run)
+            recall = ghosts.recall
+            for block, block_hash in zip(run, hashes):
+                uses = recall(block_hash)
+                if uses:
+                    block.num_seen += uses
+        if salt_index is not None:  # the one salted block of the run (`salts`)
+            ghosts.add_salted(self._salt_free_hash(run[salt_index]))
+        return num
+
+    def _run_by_block(
+        self,
+        run: list[Block],
+        parent: Block | None,
+        block_ids: list[BlockId],
+        hashes: list[BlockHash],
+        blocks: list[bytes],
+        payloads: list[bytes],
+        salts: list[str | None],
+        indexing: bool,
+        run_length: int,
+    ) -> list[bool]:
+        """`_commit_run` block by block: a block may adopt the host tier's record of its
+        content, and indexing stops at the first hash with an entry. Appends the records
+        to `run`; answers, per indexed block, whether it adopted a loaded record."""
+        records, index, ghosts = self.blocks, self.index, self.ghosts
+        record_tier = self._record_tier
+        find_record = record_tier.find_record if record_tier is not None else None
+        # A pool that never evicted has nothing to recall (and a recall cannot make a
+        # ghost table answer anything new): decided once per run, not per block.
+        recall = ghosts.recall if ghosts else None
+        loaded: list[bool] = []
+        append = run.append
+        for block_id, block_hash, tokens, payload, mixed_salt in zip(
+            block_ids, hashes, blocks, payloads, salts
+        ):
+            kept = None
+            if find_record is not None and indexing and block_hash not in index:
+                kept = find_record(block_hash)
+            if kept is not None and not kept.is_cached and kept.parent is parent and kept.payload == payload:
+                # The content's host-only record (loaded, or recomputed beside it) gains
+                # this device copy: one record per content block, its history kept.
+                block = kept
+                assert block.ref_count == 0, f"a host-only record is unreferenced: {block}"
+                block.block_id = block_id
+                block.ref_count = 1
+                record_tier.adopt(block, parent)  # type: ignore[union-attr]
+            else:
+                block = Block(block_id, block_hash, parent, tokens, mixed_salt, payload, run_length)
+            records[block_id] = block
+            if indexing:
+                if block_hash in index:
+                    indexing = False  # this block and its descendants stay unfindable
+                else:
+                    index[block_hash] = block
+                    block.is_cached = True
+                    if parent is not None:
+                        parent.num_cached_children += 1
+                    loaded.append(block is kept)
+                    if recall is not None:  # a recomputed block gets back its uses (a loaded one kept them)
+                        uses = recall(block_hash)
+                        if block is not kept:
+                            block.num_seen += uses
+                    if mixed_salt is not None:
+                        ghosts.add_salted(self._salt_free_hash(block))
+            append(block)
+            parent = block
+        return loaded
 
     def _allocate(self, num: int) -> list[BlockId]:
         """`num` blocks for a sequence: free ones first, then evicted leaves."""
