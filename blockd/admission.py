@@ -99,12 +99,13 @@ class KeyMemory:
         self._num_young = num_young
         self.num_added += len(block_hashes)
 
-    def __contains__(self, block_hash: object) -> bool:
-        if not self.num_added:
-            return False
-        x = int.from_bytes(block_hash, "little")  # type: ignore[arg-type]
+    def __contains__(self, block_hash: object, _from_bytes=int.from_bytes, _patterns=_PATTERNS) -> bool:
+        # Runs once per committed block of a pool under pressure (GhostTable.recall): the
+        # globals bound as defaults, and no emptiness test (an empty memory's bytes are
+        # zero, and every pattern has bits set), 280 -> 220 ns a query (bench.blockd_inprocess).
+        x = _from_bytes(block_hash, "little")  # type: ignore[arg-type]
         i = x % self._num_bytes
-        pattern = _PATTERNS[(x >> _PATTERN_SHIFT) & 63]
+        pattern = _patterns[(x >> _PATTERN_SHIFT) & 63]
         return self._young[i] & pattern == pattern or self._old[i] & pattern == pattern
 
     def clear(self) -> None:

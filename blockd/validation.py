@@ -314,12 +314,12 @@ def _plan_commit(
     block_ids: list[BlockId] = list(op.block_ids)
     table = sequence.block_ids
     start = next_commit.get(op.sequence_id, sequence.num_committed)
-    foreign = set(block_ids).difference(table)
-    if foreign:
-        raise InvalidArgument(
-            f"{what}: foreign block(s) {sorted(foreign)[:8]} are not in the sequence's block table"
-        )
-    if block_ids != table[start : start + len(block_ids)]:
+    if block_ids != table[start : start + len(block_ids)]:  # a run of the table has no foreign block
+        foreign = set(block_ids).difference(table)
+        if foreign:
+            raise InvalidArgument(
+                f"{what}: foreign block(s) {sorted(foreign)[:8]} are not in the sequence's block table"
+            )
         first = f"block {table[start]}" if start < len(table) else "none: every block is committed"
         raise InvalidArgument(
             f"{what}: block_ids must be the run of the table from its first "
