@@ -364,7 +364,8 @@ class BlockPool:
                 tier.committed(run)
         known = sequence.token_bytes
         offset = start * block_width(self.block_size)
-        sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
+        if offset + len(data) > len(known):  # inside them, `data` are those tokens (validated)
+            sequence.token_bytes = known[:offset] + data + known[offset + len(data) :]
 
     def release(self, sequence_id: SequenceId) -> None:
         """Drop the sequence's references: committed blocks stay findable (evictable)
@@ -530,7 +531,6 @@ class BlockPool:
         `run_length` (its sequence's, at admission; 0 for a resync); an adopted host
         record keeps the run it was computed in."""
         index = self.index
-        assert self.blocks.keys().isdisjoint(block_ids), "a block of the run is already committed"
         salts: list[str | None] = [None] * len(block_ids)
         if salt_index is not None and 0 <= salt_index < len(salts):
             salts[salt_index] = salt
@@ -609,7 +609,10 @@ class BlockPool:
                 block_id, block_hash, parent, tokens, mixed_salt, payload, run_length, indexing, num_children
             )
             append(parent)
-        self.blocks.update(zip(block_ids, run))
+        records = self.blocks
+        num_records = len(records)
+        records.update(zip(block_ids, run))
+        assert len(records) == num_records + num, "a block of the run is already committed"
         if not indexing or not num:
             return 0
         self.index.update(zip(hashes, run))
@@ -643,6 +646,7 @@ class BlockPool:
         content, and indexing stops at the first hash with an entry. Appends the records
         to `run`; answers, per indexed block, whether it adopted a loaded record."""
         records, index, ghosts = self.blocks, self.index, self.ghosts
+        assert records.keys().isdisjoint(block_ids), "a block of the run is already committed"
         record_tier = self._record_tier
         find_record = record_tier.find_record if record_tier is not None else None
         # A pool that never evicted has nothing to recall (and a recall cannot make a
