@@ -84,6 +84,14 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
 
 
+class ChunkSink(Protocol):
+    """Where a request's chunks go: an `asyncio.Queue`, or one key of a GenerateMany
+    stream's outbox (computed/outbox.py). `empty()`: its reader took every chunk."""
+
+    def put_nowait(self, chunk: GenerationChunk) -> None: ...
+    def empty(self) -> bool: ...
+
+
 @dataclass
 class _Request:
     """A request in flight. Tokens after the first are held until `stream_interval` of
@@ -91,7 +99,7 @@ class _Request:
 
     seq: Sequence
     output: OutputText
-    queue: asyncio.Queue
+    queue: ChunkSink
     arrival: float
     stream_interval: int = 1
     first_token_at: float | None = None
@@ -162,7 +170,7 @@ class Engine:
         self._directory = directory
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
-        self._fed: list[asyncio.Queue] = []  # queues sent a chunk since the last step
+        self._fed: list[ChunkSink] = []  # queues sent a chunk since the last step
         self._sequence_ids = itertools.count(1)
         self._wake = asyncio.Event()
         # Set when a request arrives or leaves: a running burst of decode steps ends after
@@ -221,9 +229,11 @@ class Engine:
         cache_policy: str = "store",
         retention_priority: int = 0,
         stream_interval: int = 1,
-    ) -> tuple[int, asyncio.Queue]:
-        """Queue a request; its chunks arrive on the returned queue (the last has usage):
-        the first token at once, then one chunk per `stream_interval` tokens."""
+        sink: ChunkSink | None = None,
+    ) -> tuple[int, ChunkSink]:
+        """Queue a request; its chunks arrive on `sink` (a new queue when None), which is
+        returned (the last chunk has usage): the first token at once, then one chunk per
+        `stream_interval` tokens."""
         assert stream_interval >= 1, f"stream_interval must be >= 1, got {stream_interval}"
         seq = Sequence(
             next(self._sequence_ids),
@@ -236,7 +246,11 @@ class Engine:
             retention_priority,
         )
         req = _Request(
-            seq, OutputText(decoder, params.stop), asyncio.Queue(), time.monotonic(), stream_interval
+            seq,
+            OutputText(decoder, params.stop),
+            asyncio.Queue() if sink is None else sink,
+            time.monotonic(),
+            stream_interval,
         )
         self._requests[seq.sequence_id] = req
         self.runner.add_sequence(seq.sequence_id, params.seed)

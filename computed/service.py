@@ -21,11 +21,12 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from computed.engine import Engine, GenerationChunk
+from computed.engine import ChunkSink, Engine, GenerationChunk
 from computed.errors import CapacityError, ModelFailed, RequestError, ShuttingDown
 from computed.logprobs import TokenLogprobs
 from computed.model.tokenizer import IncrementalDecoder, Tokenizer
-from computed.request_policy import GenerateInput, RequestPolicy, WorkerInfo
+from computed.outbox import Outbox
+from computed.request_policy import AdmittedRequest, GenerateInput, RequestPolicy, WorkerInfo
 from kvcache.v1 import cache_policy_pb2
 from kvcache.v1 import generation_pb2 as pb
 from kvcache.v1 import generation_pb2_grpc as pb_grpc
@@ -48,6 +49,8 @@ def _status_of(exc: Exception) -> grpc.StatusCode | None:
             return STATUS_CODES[cls]
     return None
 
+
+_MODEL_FAILED = "the model failed on this request's batch; see computed's log"
 
 # Status details travel in trailing metadata (16 KiB at most): a message that echoes a
 # huge client value must be cut, or the client sees a transport error instead.
@@ -130,27 +133,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the completion; a slow reader gets the backlog as one message."""
-        if not self.engine.is_accepting:
-            raise ShuttingDown("computed is shutting down; retry elsewhere")
-        given = _generate_input(request)
-        if given.prompt or given.messages:
-            # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
-            admitted = await asyncio.to_thread(self.policy.admit, given)
-        else:
-            # Token ids are only checked (18 us for 1,088): cheaper than the thread hop, which
-            # woke the loop once per request while a burst's first forward ran. The walls of
-            # `make bench-peer` did not move beyond this machine's noise either way.
-            admitted = self.policy.admit(given)
-        sequence_id, queue = self.engine.add_request(
-            admitted.prompt_token_ids,
-            admitted.params,
-            IncrementalDecoder(self.tokenizer),
-            admitted.cache_salt,
-            admitted.public_prefix_tokens,
-            admitted.cache_policy,
-            admitted.retention_priority,
-            admitted.stream_interval,
-        )
+        admitted = await self._admit(request)
+        sequence_id, queue = self._start(admitted)
         request_id = admitted.request_id or f"req-{sequence_id}"
         finished = False
         try:
@@ -160,11 +144,132 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     chunks.append(queue.get_nowait())
                 finished = chunks[-1].finish_reason is not None
                 if chunks[-1].finish_reason == "error":
-                    raise ModelFailed("the model failed on this request's batch; see computed's log")
+                    raise ModelFailed(_MODEL_FAILED)
                 yield _response(request_id, chunks, self.tokenizer)
         finally:
             if not finished:
                 self.engine.abort(sequence_id)  # client cancelled or went away
+
+    async def GenerateMany(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        """Many requests, one message per step for all of them (computed/outbox.py).
+
+        A request's failure is its own update (`error_code`, STATUS_CODES' code); only a
+        message that breaks the stream's own rules (undecodable, a key in use, no action)
+        ends the stream, with its status. Ordering: a key is live from its `generate` until
+        the update that ends it is built, so a reused key never meets its old chunks."""
+        outbox: Outbox[GenerationChunk | Exception] = Outbox()
+        live: dict[int, tuple[int, str]] = {}  # key -> (sequence id, request id)
+
+        async def read() -> None:
+            try:
+                async for message in requests:
+                    _reject_malformed(message)
+                    action = message.WhichOneof("action")
+                    key = message.key
+                    if action == "cancel":
+                        if key in live:
+                            self.engine.abort(live[key][0])
+                    elif action == "generate":
+                        if key in live:
+                            raise RequestError(
+                                f"key {key} is in use by an unfinished request on this stream; "
+                                "use another key, or wait for its last update"
+                            )
+                        await self._start_keyed(key, message.generate, outbox, live)
+                    else:
+                        raise RequestError("a GenerateManyRequest needs generate or cancel")
+            finally:
+                outbox.wake()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                await outbox.wait()
+                taken = outbox.take()
+                if taken:
+                    yield self._updates(taken, live)
+                if reader.done():
+                    failure = reader.exception()
+                    if failure is not None:
+                        raise failure
+                    if not live and not outbox.holds_any():
+                        return  # half-closed, and every request answered to its end
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure must become a status
+            await _abort(context, "GenerateMany", exc)
+        finally:
+            reader.cancel()
+            for sequence_id, _ in live.values():
+                self.engine.abort(sequence_id)  # the caller cancelled or went away
+
+    async def _start_keyed(
+        self,
+        key: int,
+        request: pb.GenerateRequest,
+        outbox: Outbox[GenerationChunk | Exception],
+        live: dict[int, tuple[int, str]],
+    ) -> None:
+        """Admit and start one request of a GenerateMany stream; a refusal is its update."""
+        try:
+            admitted = await self._admit(request)
+            sequence_id, _ = self._start(admitted, outbox.sink(key))
+        except Exception as exc:  # noqa: BLE001 - the request's own status
+            outbox.put(key, exc)
+            return
+        live[key] = (sequence_id, admitted.request_id or f"req-{sequence_id}")
+
+    def _updates(
+        self, taken: dict[int, list[GenerationChunk | Exception]], live: dict[int, tuple[int, str]]
+    ) -> pb.GenerateManyResponse:
+        """One message for every key with news; a key whose news ends it leaves `live`."""
+        reply = pb.GenerateManyResponse()
+        for key, items in taken.items():
+            update = reply.updates.add(key=key)
+            failure = next((i for i in items if isinstance(i, Exception)), None)
+            chunks = [i for i in items if not isinstance(i, Exception)]
+            if failure is None and chunks[-1].finish_reason == "error":
+                failure = ModelFailed(_MODEL_FAILED)
+            if failure is not None:
+                code = _status_of(failure)
+                if code is None:
+                    log.error("internal error", method="GenerateMany", error=repr(failure))
+                    code = grpc.StatusCode.INTERNAL
+                update.error_code = code.value[0]
+                update.error_message = _details(str(failure))
+                live.pop(key, None)
+                continue
+            update.response.CopyFrom(_response(live[key][1], chunks, self.tokenizer))
+            if chunks[-1].finish_reason is not None:
+                del live[key]
+        return reply
+
+    async def _admit(self, request: pb.GenerateRequest) -> AdmittedRequest:
+        if not self.engine.is_accepting:
+            raise ShuttingDown("computed is shutting down; retry elsewhere")
+        given = _generate_input(request)
+        if given.prompt or given.messages:
+            # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
+            return await asyncio.to_thread(self.policy.admit, given)
+        # Token ids are only checked (18 us for 1,088): cheaper than the thread hop, which
+        # woke the loop once per request while a burst's first forward ran. The walls of
+        # `make bench-peer` did not move beyond this machine's noise either way.
+        return self.policy.admit(given)
+
+    def _start(self, admitted: AdmittedRequest, sink: ChunkSink | None = None) -> tuple[int, Any]:
+        return self.engine.add_request(
+            admitted.prompt_token_ids,
+            admitted.params,
+            IncrementalDecoder(self.tokenizer),
+            admitted.cache_salt,
+            admitted.public_prefix_tokens,
+            admitted.cache_policy,
+            admitted.retention_priority,
+            admitted.stream_interval,
+            sink,
+        )
 
     @unary
     async def Tokenize(

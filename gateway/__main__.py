@@ -128,6 +128,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "per request; Route serves while the mirror is out of sync) [env GATEWAY_MIRROR=0|1]",
     )
     p.add_argument(
+        "--generate-many",
+        action=argparse.BooleanOptionalAction,
+        default=_env("GATEWAY_GENERATE_MANY", "1") not in ("0", "false", "no", "off"),
+        help="send each worker's requests on one GenerateMany stream (one message per engine "
+        "step for all of them); off: a Generate call per request [env GATEWAY_GENERATE_MANY=0|1]",
+    )
+    p.add_argument(
         "--mirror-max-blocks",
         type=int,
         default=int(_env("GATEWAY_MIRROR_MAX_BLOCKS", "4000000")),
@@ -198,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             route_timeout=a.route_timeout,
             route_token=a.route_token,
             mirror=a.mirror,
+            generate_many=a.generate_many,
             mirror_max_blocks=a.mirror_max_blocks,
             blockd_admin_token=a.blockd_admin_token or None,
             ready_file=a.ready_file,

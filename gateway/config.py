@@ -43,6 +43,9 @@ class GatewayConfig:
     # stream, so a routed request needs no Route round trip (Route serves while it is out of
     # sync). Off: every routed request asks Route.
     mirror: bool = True
+    # Each worker's requests on one GenerateMany stream (gateway/worker_stream.py): one
+    # message per engine step for all of them. Off: a Generate call per request.
+    generate_many: bool = True
     # blockd shards whose event streams feed the mirror, one mirror each (docs/sharding.md):
     # with shards, --blockd is the fleet router (Route, ListPools) and every shard streams its
     # own pools' events. Empty: the mirror follows --blockd itself.

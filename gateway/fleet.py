@@ -54,6 +54,7 @@ from gateway.mirror_feed import MirrorFeed
 from gateway.mirrors import MirrorSet
 from gateway.routing import Candidate, make_policy
 from gateway.tokenizer import LocalTokenizer, load_tokenizers
+from gateway.worker_stream import WorkerStream
 from kvcache.v1 import directory_pb2, directory_pb2_grpc, generation_pb2_grpc
 
 log = structlog.get_logger("gateway")
@@ -70,6 +71,8 @@ class Worker:
     address: str
     stub: generation_pb2_grpc.GenerationServiceStub
     channel: grpc.aio.Channel
+    # Its requests' GenerateMany stream; None: a Generate call each (--no-generate-many).
+    stream: WorkerStream | None = None
     info: ModelInfo | None = None
     inflight: int = 0
     # Requests in flight without a first token yet, and their uncached prompt tokens (where known).
@@ -208,7 +211,8 @@ class Fleet:
     def _add(self, address: str, *, is_discovered: bool) -> None:
         channel = open_aio_channel(address)
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        self.workers.append(Worker(address, stub, channel, is_discovered=is_discovered))
+        stream = WorkerStream(stub) if self.config.generate_many else None
+        self.workers.append(Worker(address, stub, channel, stream, is_discovered=is_discovered))
         if is_discovered:
             log.info("worker discovered", worker=address)
 

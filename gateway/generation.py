@@ -1,8 +1,9 @@
-"""One Generate stream to a worker, counted in its in-flight load, cancelled when dropped.
+"""One generation on a worker, counted in its in-flight load, cancelled when dropped.
 
-`Generation.start` places the request (see gateway.fleet), opens the stream and waits
-for its first message, so every failure before the first token becomes the response's
-HTTP status; a worker unreachable before its first message is replaced by another of
+`Generation.start` places the request (see gateway.fleet), opens it on the worker's
+GenerateMany stream (gateway/worker_stream.py; a Generate call of its own where the worker
+is older or the gateway runs with --no-generate-many) and waits for its first message, so
+every failure before the first token becomes the response's HTTP status; a worker unreachable before its first message is replaced by another of
 the model's. `close` cancels the gRPC call (computed aborts the sequence and releases
 its blocks) and is safe to call at any time, any number of times; a stream that has
 delivered its last message is not cancelled (nothing to abort, and a cancel costs a
@@ -22,6 +23,7 @@ from clients.requests import Prompt, SamplingParams
 from clients.types import GenerateChunk
 from gateway.errors import from_daemon
 from gateway.fleet import Fleet, Placement, Worker
+from gateway.worker_stream import Handle
 
 
 class Generation:
@@ -30,7 +32,8 @@ class Generation:
         self._model = model
         self._prompt = prompt
         self._sampling = sampling
-        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._call: grpc.aio.UnaryStreamCall | Handle | None = None
+        self._multiplexed = False  # the call is a Handle on the worker's GenerateMany stream
         self.worker: Worker | None = None
         self._placement: Placement | None = None
         self._waiting = False  # counted in the worker's queued prefill
@@ -42,12 +45,15 @@ class Generation:
         try:
             placement = await self._fleet.place(self._model, self._prompt)
             while True:
-                self._open(placement)
+                await self._open(placement)
                 try:
                     self.head = await self._read()
                     self._prefilled()
                     return
                 except KVCacheError as error:
+                    if error.code is grpc.StatusCode.UNIMPLEMENTED and self._older(placement.worker):
+                        self._release()  # a computed older than GenerateMany: by Generate
+                        continue
                     if error.code is not grpc.StatusCode.UNAVAILABLE:
                         raise
                     self._release()
@@ -82,13 +88,24 @@ class Generation:
             self._call.cancel()
         self._release()
 
-    def _open(self, placement: Placement) -> None:
-        self.worker, self._placement = placement.worker, placement
-        placement.worker.admit(placement)
+    async def _open(self, placement: Placement) -> None:
+        worker = placement.worker
+        self.worker, self._placement = worker, placement
+        worker.admit(placement)
         self._waiting = True
         request = placement.prompt.to_request(self._sampling)
         self._finished = False
-        self._call = placement.worker.stub.Generate(request, timeout=self._fleet.config.request_timeout)
+        timeout = self._fleet.config.request_timeout
+        stream = worker.stream
+        self._multiplexed = stream is not None and not stream.is_unsupported
+        if stream is not None and not stream.is_unsupported:
+            self._call = await stream.generate(request, timeout)
+        else:
+            self._call = worker.stub.Generate(request, timeout=timeout)
+
+    def _older(self, worker: Worker) -> bool:
+        """This request went on the worker's stream, which was found unserved since."""
+        return self._multiplexed and worker.stream is not None and worker.stream.is_unsupported
 
     def _prefilled(self) -> None:
         if self._waiting and self._placement is not None:

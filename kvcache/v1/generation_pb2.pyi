@@ -134,6 +134,38 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("key", "generate", "cancel")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    generate: GenerateRequest
+    cancel: GenerateCancel
+    def __init__(self, key: _Optional[int] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[GenerateCancel, _Mapping]] = ...) -> None: ...
+
+class GenerateCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[GenerateUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[GenerateUpdate, _Mapping]]] = ...) -> None: ...
+
+class GenerateUpdate(_message.Message):
+    __slots__ = ("key", "response", "error_code", "error_message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    response: GenerateResponse
+    error_code: int
+    error_message: str
+    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "add_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]

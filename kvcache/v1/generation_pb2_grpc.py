@@ -39,6 +39,11 @@ class GenerationServiceStub:
                 request_serializer=kvcache_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvcache.v1.GenerationService/GenerateMany',
+                request_serializer=kvcache_dot_v1_dot_generation__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_generation__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/kvcache.v1.GenerationService/Tokenize',
                 request_serializer=kvcache_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -62,6 +67,19 @@ class GenerationServiceServicer:
     def Generate(self, request, context):
         """Stream a completion. Each message carries the new token ids and their text; the
         last one carries finish_reason and usage (including cached_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many generations on one stream, as a front end that serves many clients sends them:
+        each request opens under a key of the caller's choosing, and every answer names its
+        key. The worker sends at most one message per engine step, carrying that step's news
+        for every request on the stream, where Generate sends one message per request per
+        step; a request's updates carry exactly what its Generate stream would, in order.
+        Ending the stream (cancel, or the caller gone) cancels its unfinished requests; a
+        half-close lets them finish, and the worker ends the stream after the last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +110,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvcache_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvcache_dot_v1_dot_generation__pb2.GenerateManyRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_generation__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -136,6 +159,33 @@ class GenerationService:
             '/kvcache.v1.GenerationService/Generate',
             kvcache_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             kvcache_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvcache.v1.GenerationService/GenerateMany',
+            kvcache_dot_v1_dot_generation__pb2.GenerateManyRequest.SerializeToString,
+            kvcache_dot_v1_dot_generation__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
