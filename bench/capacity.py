@@ -1,4 +1,5 @@
-"""5. blockd capacity: the figures of bench.blockd_grpc and bench.blockd_core.
+"""5. blockd capacity: the figures of bench.blockd_grpc, bench.blockd_fleet, bench.blockd_gc,
+bench.blockd_inprocess and bench.blockd_core.
 
 Each module's `main(quick)` answers a dict of figures; a module that is missing or
 raises is reported as such in the table (this benchmark never raises for them).
@@ -67,6 +68,14 @@ HEADLINES = {
             "default_step_p99_ms",
             "open loop Step p99, CPython's gc defaults (same rate, in turns)",
             "ms",
+            None,
+        ),
+    ],
+    "bench.blockd_inprocess": [
+        (
+            "cpu_us_per_admission",
+            "blockd Step path CPU per admission in process, the batched workers' Steps (no gRPC)",
+            "µs",
             None,
         ),
     ],
