@@ -80,7 +80,8 @@ def test_adaptive_shortens_the_life_of_one_use_blocks_of_runs_whose_victims_neve
                 policy.returned(1, run_length)
     policy.bonus  # noqa: B018 (recomputes the tables)
     assert policy._run_bonus[7] < -2  # never returns: aged
-    assert policy._run_bonus[2] == 0 and policy._run_bonus[0] == 0  # returns more / no evidence
+    assert policy._run_bonus[2] == AdaptivePolicy.RUN_MAX_BONUS  # returns more than the rest
+    assert policy._run_bonus[0] == 0  # no evidence
     now = policy.now
     scan, turn = _block(last_tick=now), _block(last_tick=now - AdaptivePolicy.MIN_UNIT)
     scan.run_length, turn.run_length = 100, 2
@@ -88,6 +89,22 @@ def test_adaptive_shortens_the_life_of_one_use_blocks_of_runs_whose_victims_neve
     hot = _block(last_tick=now, seen=3)
     hot.run_length = 100  # a block used again is ranked by its uses alone
     assert policy.priority(hot)[3] == 0
+
+
+def test_a_run_class_that_is_most_of_the_one_use_victims_is_compared_with_the_rest():
+    """The 64+ class of the conversation trace is most of its one-use victims, so it is
+    never far from their average: against the rest it is aged all the same."""
+    policy = AdaptivePolicy()
+    for i in range(4_000):
+        run_length, share = (100, 0.05) if i % 10 else (2, 0.5)
+        run = min(AdaptivePolicy.NUM_RUNS - 1, run_length.bit_length())
+        policy.now = i + 50
+        policy.evicted((float(i), i, 1, run))
+        if (i // 10 * share) % 1 + share >= 1:
+            policy.returned(1, run_length)
+    policy.bonus  # noqa: B018 (recomputes the tables)
+    assert policy._run_bonus[7] < -1  # 1/10 of the rest's rate, 1/2 of the average's
+    assert policy._run_bonus[2] > 0
 
 
 def test_blocks_carry_their_sequences_run_length_into_the_ghost_table():
