@@ -171,6 +171,8 @@ class Engine:
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
         self._fed: list[ChunkSink] = []  # queues sent a chunk since the last step
+        # Called once when the drain begins (`stop`); callers add and remove their own.
+        self.drain_listeners: set[Callable[[], None]] = set()
         self._sequence_ids = itertools.count(1)
         self._wake = asyncio.Event()
         # Set when a request arrives or leaves: a running burst of decode steps ends after
@@ -195,8 +197,12 @@ class Engine:
         ]
 
     async def stop(self, drain_seconds: float) -> None:
-        """Stop admitting; let running requests finish within the deadline, cancel the rest."""
+        """Stop admitting; let running requests finish within the deadline, cancel the rest.
+        The drain listeners are called first (a GenerateMany stream with nothing in flight
+        ends then, not at the gRPC server's grace)."""
         self._draining = True
+        for listener in list(self.drain_listeners):
+            listener()
         deadline = time.monotonic() + drain_seconds
         while self.scheduler.has_unfinished() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

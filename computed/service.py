@@ -184,23 +184,23 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 outbox.wake()
 
         reader = asyncio.create_task(read())
+        self.engine.drain_listeners.add(outbox.wake)
         try:
             while True:
                 await outbox.wait()
                 taken = outbox.take()
                 if taken:
                     yield self._updates(taken, live)
-                if reader.done():
-                    failure = reader.exception()
-                    if failure is not None:
-                        raise failure
-                    if not live and not outbox.holds_any():
-                        return  # half-closed, and every request answered to its end
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()  # type: ignore[misc]
+                if (reader.done() or not self.engine.is_accepting) and not live and not outbox.holds_any():
+                    return  # half-closed or draining, and every request answered to its end
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure must become a status
             await _abort(context, "GenerateMany", exc)
         finally:
+            self.engine.drain_listeners.discard(outbox.wake)
             reader.cancel()
             for sequence_id, _ in live.values():
                 self.engine.abort(sequence_id)  # the caller cancelled or went away
