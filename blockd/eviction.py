@@ -374,6 +374,22 @@ class GatedPolicy:
     returns against the other one-use blocks, 1.36x; one-shot requests sent with cache_policy READ_ONLY by a client that
     knows, 1.42x.
 
+    Where a closed gate wins and the rates cannot tell (long-conversation, pools 2-10%:
+    lru+seen2 1.05x lru at 5%, the default 1.01x; a gate fixed at 4-16 horizons 1.04x,
+    but 0.79-0.85x on the conversation trace at 5% and 0.89-0.92x on long-conversation at
+    25%): its reuse gaps are longer than the pool, so what pays is giving *some* blocks a
+    life longer than the gap, not choosing better victims. Measured with an exact record
+    of every victim (bench.eviction_quality's replay), probation and admitted victims
+    return at the same rate there within any window (0.5 to 8 pools after eviction, and
+    for good), open gate or closed; the sides differ only on traces where closing loses.
+    Tried and dropped: an ARC-like integral controller on the two rates (setpoints 0.87
+    to 1.23: long-conversation 5% 0.95-0.99 of lru+seen2, but conversation 10-25% 0.93-0.97x
+    lru), and closing on rates over the key memory's window (probation and admitted
+    victims kept apart) where most returns come after two pools (long-conversation 5%
+    0.975 of lru+seen2, conversation 2% 1.36x -> 1.17x lru: the state it creates moves
+    the rates). Telling it needs the hit rate each setting would have (a miniature
+    simulation of each on sampled keys), which needs every hit, not only releases.
+
     O(1) per priority and per event, like the inner policy (counters in inflated units,
     the gate recomputed after a return or every REFRESH evictions, when next read); heap
     entries keep the penalty they were pushed with (comparable: both are times)."""
