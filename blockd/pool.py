@@ -743,9 +743,13 @@ class BlockPool:
         128 priorities per 128-block eviction, takes_next ~20% of blockd's time in
         process; now one priority per chain). A flush drops one block at a time (limit 1)."""
         index, records, leaves = self.index, self.blocks, self.leaves
-        rank, evicted = leaves.priority, leaves.policy.evicted
+        rank = leaves.priority
         dropped: list[Block] = []
         below = False  # `priority` was found below `bar` (it stays so while inherited)
+        # Parents counted evicted with the inherited `priority` but not yet told to the
+        # policy: told in one call before anything reads the policy's state (a fresh
+        # priority) and at the end (`_count_evicted`).
+        pending = 0
         while True:
             indexed = index.pop(block.block_hash, None)
             assert indexed is block, f"{block} is not indexed"
@@ -757,11 +761,11 @@ class BlockPool:
                 self.ghosts.drop_salted(self._salt_free_hash(block))
             parent = block.parent
             if parent is None:
-                return dropped, None, None
+                break
             parent.num_cached_children -= 1
             # `is_evictable_leaf`, inlined: this runs once per evicted block
             if not parent.is_cached or parent.ref_count or parent.num_cached_children:
-                return dropped, None, None
+                break
             if (
                 priority is None
                 or parent.last_tick != block.last_tick
@@ -770,17 +774,27 @@ class BlockPool:
                 or parent.retention != block.retention
                 or parent.run_length != block.run_length
             ):
+                if pending:
+                    _count_evicted(leaves.policy, priority, pending)  # type: ignore[arg-type]
+                    pending = 0
                 priority = rank(parent)
                 below = False
             if len(dropped) == limit:
+                if pending:
+                    _count_evicted(leaves.policy, priority, pending)
                 return dropped, parent, priority
             if below:  # an inherited priority against the same bar: `takes_next`'s answer again
-                evicted(priority)
+                pending += 1
             elif leaves.takes_next(priority, bar):
                 below = True
             else:
+                if pending:
+                    _count_evicted(leaves.policy, priority, pending)
                 return dropped, parent, priority  # a pushed block loses ties: only "below" is sure
             block = parent
+        if pending:
+            _count_evicted(leaves.policy, priority, pending)  # type: ignore[arg-type]
+        return dropped, None, None
 
     # ------------------------------------------------------------ lower tiers
 
@@ -856,6 +870,20 @@ class BlockPool:
         else:
             del self.blocks[block.block_id]
             self.free.give_all([block.block_id])
+
+
+def _count_evicted(policy: EvictionPolicy, priority: Priority, num: int) -> None:
+    """Tell the policy `num` victims of one priority: in one call where it counts them at
+    once (`evicted_many`, if it has one), else one `evicted` each, as the heap would.
+    bench.blockd_inprocess, instructions per admission under callgrind: a policy counting
+    a chain's 128 victims in closed form would spend ~15% fewer than one call each."""
+    many = getattr(policy, "evicted_many", None)
+    if many is not None:
+        many(priority, num)
+    else:
+        evicted = policy.evicted
+        for _ in range(num):
+            evicted(priority)
 
 
 def _deepest_first(block: Block) -> int:
