@@ -108,6 +108,20 @@ class KeyMemory:
         pattern = _patterns[(x >> _PATTERN_SHIFT) & 63]
         return self._young[i] & pattern == pattern or self._old[i] & pattern == pattern
 
+    def contains_many(
+        self, block_hashes: list[BlockHash], _from_bytes=int.from_bytes, _patterns=_PATTERNS
+    ) -> list[bool]:
+        """`hash in self` for each, in one call (a commit run's recall)."""
+        young, old, num_bytes = self._young, self._old, self._num_bytes
+        answers = []
+        append = answers.append
+        for block_hash in block_hashes:
+            x = _from_bytes(block_hash, "little")
+            i = x % num_bytes
+            pattern = _patterns[(x >> _PATTERN_SHIFT) & 63]
+            append(young[i] & pattern == pattern or old[i] & pattern == pattern)
+        return answers
+
     def clear(self) -> None:
         self._young = bytearray(self._num_bytes)
         self._old = bytearray(self._num_bytes)

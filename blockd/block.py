@@ -79,9 +79,10 @@ class Block:
         run_length: int = 0,
         is_cached: bool = False,
         num_cached_children: int = 0,
+        num_seen: int = 1,
     ) -> None:
-        """`run_length`, `is_cached` and `num_cached_children` are given by a commit that
-        indexes a whole run at once (`BlockPool._commit_run`): one call per block."""
+        """`run_length`, `is_cached`, `num_cached_children` and `num_seen` are given by a
+        commit that indexes a whole run at once (`BlockPool._new_run`): one call per block."""
         self.block_id = block_id
         self.block_hash = block_hash
         self.parent = parent
@@ -104,7 +105,7 @@ class Block:
         # Uses before the first hit: its commit, plus the uses the pool's ghost table
         # remembered for this hash from before an eviction (the "seen count" a
         # seen-twice admission rule reads: num_seen + num_hits >= 2).
-        self.num_seen = 1
+        self.num_seen = num_seen
         # Retention priority 1..100 (0: unset), the highest any releasing request asked.
         self.retention = 0
         # Uncached full blocks its sequence brought at admission (0: unknown, e.g. a

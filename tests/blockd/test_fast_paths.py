@@ -83,3 +83,13 @@ def test_commit_runs_with_colliding_hashes_keep_the_invariants(monkeypatch):
     for sequence_id in range(200):
         h.run(sequence_id, [rng.randrange(50) for _ in range(2 * rng.randrange(1, 9))])
     assert any(0 < indexed < num for indexed, num in runs), "a run must stop indexing in its middle"
+
+
+def test_key_memory_answers_many_as_it_answers_one():
+    rng = random.Random(2)
+    memory = KeyMemory(1_000)
+    known = [rng.randbytes(16) for _ in range(700)]
+    memory.add_many(known)  # two generations
+    queries = known + [rng.randbytes(16) for _ in range(700)]
+    assert memory.contains_many(queries) == [key in memory for key in queries]
+    assert all(memory.contains_many(known[-500:]))
