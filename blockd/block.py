@@ -149,6 +149,7 @@ class Sequence:
         "cache_policy",
         "committed",
         "loading",
+        "prompt_blocks",
         "retention",
         "run_length",
         "salt",
@@ -168,6 +169,7 @@ class Sequence:
         cache_policy: CachePolicy = CachePolicy.STORE,
         retention: int = 0,
         run_length: int = 0,
+        prompt_blocks: list[bytes] | None = None,
     ) -> None:
         self.sequence_id = sequence_id
         self.block_ids = block_ids
@@ -181,6 +183,9 @@ class Sequence:
         self.cache_policy = cache_policy  # STORE: its committed blocks are indexed
         self.retention = retention  # stamped on its blocks at release (0: unset)
         self.run_length = run_length  # stamped on the blocks it commits (Block.run_length)
+        # The prompt's full blocks as cut at admission (unsalted prompts: each block is
+        # its payload), so a commit inside the prompt cuts nothing again (None: cut then).
+        self.prompt_blocks = prompt_blocks
 
     @property
     def num_committed(self) -> int:

@@ -299,6 +299,9 @@ class BlockPool:
             cache_policy,
             retention,
             max(0, num_tokens // self.block_size - len(kept)),  # the run its commits stamp
+            # the walk cut a warm prompt already (Prompt caches it); a salted block's payload
+            # is not its tokens, so salted prompts are cut at commit
+            prompt.payloads(self.block_size) if salt_block is None else None,
         )
         self.sequences[sequence_id] = sequence
         num_cached_tokens = len(kept) * self.block_size
@@ -348,11 +351,17 @@ class BlockPool:
         start = len(committed)
         assert block_ids == sequence.block_ids[start : start + len(block_ids)], "commit run"
         parent = committed[-1] if committed else None
-        blocks = split_blocks(data, self.block_size)
         for tier in self.lower_tiers:  # these blocks' loads are done
             tier.loads_done(sequence, len(block_ids))
         salt_index = sequence.salt_block - start if sequence.salt_block is not None else None
-        payloads = block_payloads(blocks, sequence.salt, salt_index)
+        prompt_blocks = sequence.prompt_blocks
+        end = start + len(block_ids)
+        if prompt_blocks is not None and end <= len(prompt_blocks):
+            # inside the prompt `data` are its tokens (validated), cut at admission
+            blocks = payloads = prompt_blocks[start:end]
+        else:
+            blocks = split_blocks(data, self.block_size)
+            payloads = block_payloads(blocks, sequence.salt, salt_index)
         hashes = self._hasher.walk(parent.block_hash if parent is not None else self.seed, payloads)
         store = sequence.cache_policy is CachePolicy.STORE
         run = self._commit_run(
