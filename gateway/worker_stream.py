@@ -72,6 +72,7 @@ class _Stream:
         self._call = call
         self._lock = asyncio.Lock()
         self._handles: dict[int, Handle] = {}
+        self._cancels: set[asyncio.Task] = set()  # held: the loop keeps only weak references
         self.is_over = False
         self._reader = asyncio.create_task(self._read())
 
@@ -82,9 +83,11 @@ class _Stream:
     def cancel(self, key: int) -> None:
         """Stop reading the key; the worker aborts it (its last update is not awaited)."""
         if self._handles.pop(key, None) is not None and not self.is_over:
-            asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 self._write(pb.GenerateManyRequest(key=key, cancel=_CANCEL))
             )
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
 
     async def _write(self, message: pb.GenerateManyRequest) -> None:
         async with self._lock:
