@@ -309,44 +309,35 @@ class AdaptivePolicy:
     def evicted_many(self, priority: Priority, num: int) -> None:
         # The decayed counters and `horizon` are floats: a closed form (scale x grow^num, a
         # geometric sum) would round differently from `num` calls and could order two
-        # priorities differently, so the same float operations run in one loop over locals.
-        # What depends only on the count (`_since`, hence `_stale`) is advanced at once: the
-        # table is recomputed when next read, never inside `evicted`, so nothing in the
-        # batch reads it. bench.blockd_inprocess: one call per chain of 128 victims.
+        # priorities differently, so the same float operations run in the same order, in
+        # one loop over locals. What depends only on the count (`_since`, hence `_stale`)
+        # is advanced at once: the table is recomputed when next read, never in `evicted`.
         assert num >= 0, f"a negative number of victims: {num}"
         if not num:
             return
-        _, tick, uses, run = priority
-        grow, limit = self._grow, self.RENORMALISE
-        scale = self._scale
-        if uses < 2:
-            evictions, run_evictions = self._evictions, self._run_evictions
-            total, in_run = evictions[0], run_evictions[run]
-            horizon, window = self.horizon, self.HORIZON_WINDOW
-            age = self.now - tick  # `now` moves only in `priority`
+        scale, grow = self._scale, self._grow
+        if _may_pass(scale, grow, num, self.RENORMALISE):  # every ~4.6M evictions
             for _ in range(num):
+                self.evicted(priority)  # renormalises where one eviction passes the limit
+            return
+        _, tick, uses, run = priority
+        evictions = self._evictions
+        if uses < 2:
+            run_evictions = self._run_evictions
+            total, in_run = evictions[0], run_evictions[run]
+            horizon, window, age = self.horizon, self.HORIZON_WINDOW, self.now - tick
+            for _ in range(num):  # `now` moves only in `priority`
                 scale *= grow
                 in_run += scale
                 total += scale
                 horizon += (age - horizon) / window
-                if scale > limit:  # every ~4.6M evictions: the split `evicted` makes
-                    run_evictions[run], evictions[0], self._scale = in_run, total, scale
-                    self._renormalise()
-                    evictions, run_evictions = self._evictions, self._run_evictions
-                    total, in_run, scale = evictions[0], run_evictions[run], self._scale
             evictions[0], run_evictions[run], self.horizon = total, in_run, horizon
         else:
             cls = min(5, uses) - 1
-            evictions = self._evictions
             total = evictions[cls]
             for _ in range(num):
                 scale *= grow
                 total += scale
-                if scale > limit:
-                    evictions[cls], self._scale = total, scale
-                    self._renormalise()
-                    evictions = self._evictions
-                    total, scale = evictions[cls], self._scale
             evictions[cls] = total
         self._scale = scale
         self._since += num
@@ -550,24 +541,23 @@ class GatedPolicy:
             self._stale = True
 
     def evicted_many(self, priority: Priority, num: int) -> None:
-        # As `AdaptivePolicy.evicted_many`: the float counters in one loop (bit for bit
-        # `evicted`'s), the counts advanced at once (the gate is recomputed when next read).
+        # As `AdaptivePolicy.evicted_many`: the counters' float operations as `evicted`'s, in
+        # one loop over locals; the counts advanced at once (the gate is recomputed when read).
         assert num >= 0, f"a negative number of victims: {num}"
         if not num:
             return
+        scale, grow = self._scale, self._grow
+        if _may_pass(scale, grow, num, AdaptivePolicy.RENORMALISE):
+            for _ in range(num):
+                self.evicted(priority)
+            return
         self.inner.evicted_many(priority, num)
         side = 0 if priority[2] < 2 else 1
-        grow, limit = self._grow, AdaptivePolicy.RENORMALISE
-        scale, victims = self._scale, self._victims
+        victims = self._victims
         total = victims[side]
         for _ in range(num):
             scale *= grow
             total += scale
-            if scale > limit:  # the split `evicted` makes
-                victims[side] = total
-                victims = self._victims = [v / scale for v in victims]
-                self._returns = [r / scale for r in self._returns]
-                total, scale = victims[side], 1.0
         victims[side] = total
         self._scale = scale
         self._num_evictions += num
@@ -593,6 +583,15 @@ class GatedPolicy:
         admitted_rate = (admitted_returns + prior * base) / (admitted + prior)
         gate = admitted_rate / probation_rate / 2**self.MARGIN - 1
         self._gate = min(self.MAX_PENALTY, max(0.0, gate))
+
+
+def _may_pass(scale: float, grow: float, num: int, limit: float) -> bool:
+    """Whether `num` evictions could take a decayed counter's `scale` past `limit` (where
+    `evicted` renormalises). Each product by `grow` rounds by at most 2^-53 relative, so
+    `num` of them stay within num x 1.2e-16 of `scale * grow ** num`: with a margin of
+    1e-6 a no is exact for any batch under ~8e9 (a yes may be wrong: the caller then
+    takes the per-eviction path, which is exact anyway)."""
+    return scale * grow**num * (1 + 1e-6) > limit
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
