@@ -890,29 +890,16 @@ class BlockPool:
 
 
 def _recall_all(ghosts: GhostTable, hashes: list[BlockHash]) -> list[int]:
-    """`ghosts.recall` of each hash, in order: in one call where the table recalls many
-    at once (`recall_many`, if it has one). bench.blockd_inprocess under callgrind: a
-    `recall_many` over the key memory's `contains_many` spends ~2.6% fewer instructions
-    per admission than one recall per block."""
-    many = getattr(ghosts, "recall_many", None)
-    if many is not None:
-        return many(hashes)
-    recall = ghosts.recall
-    return [recall(block_hash) for block_hash in hashes]
+    """`ghosts.recall` of each hash, in order, in one call. bench.blockd_inprocess under
+    callgrind: ~2% fewer instructions per admission than one recall per block."""
+    return ghosts.recall_many(hashes)
 
 
 def _count_evicted(policy: EvictionPolicy, priority: Priority, num: int) -> None:
-    """Tell the policy `num` victims of one priority: in one call where it counts them at
-    once (`evicted_many`, if it has one), else one `evicted` each, as the heap would.
-    bench.blockd_inprocess, instructions per admission under callgrind: a policy counting
-    a chain's 128 victims in closed form would spend ~15% fewer than one call each."""
-    many = getattr(policy, "evicted_many", None)
-    if many is not None:
-        many(priority, num)
-    else:
-        evicted = policy.evicted
-        for _ in range(num):
-            evicted(priority)
+    """Tell the policy `num` victims of one priority in one call (`evicted_many`, equal to
+    `evicted` called `num` times). bench.blockd_inprocess under callgrind: ~12% fewer
+    instructions per admission than one call per victim."""
+    policy.evicted_many(priority, num)
 
 
 def _deepest_first(block: Block) -> int:
