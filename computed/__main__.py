@@ -120,14 +120,6 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
         help="model tokens per step; longer prefills are chunked [env COMPUTED_MAX_NUM_BATCHED_TOKENS]",
     )
     p.add_argument(
-        "--admit-now-steps-per-rtt",
-        type=float,
-        default=float(_env("COMPUTED_ADMIT_NOW_STEPS_PER_RTT", "8")),
-        help="while sequences run, answer an arrival's admission before the next step (it prefills in "
-        "that step) when a step takes at least this many blockd round trips; else it travels beside "
-        "the step and prefills in the one after (0: always beside) [env COMPUTED_ADMIT_NOW_STEPS_PER_RTT]",
-    )
-    p.add_argument(
         "--admission-window-ms",
         type=float,
         default=float(_env("COMPUTED_ADMISSION_WINDOW_MS", "20")),
@@ -264,7 +256,6 @@ def parse_args(argv: list[str] | None = None) -> ComputedConfig:
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             admission_window_seconds=a.admission_window_ms / 1e3,
-            admit_now_steps_per_rtt=a.admit_now_steps_per_rtt,
             decode_steps=a.decode_steps,
             forward_on=a.forward_on,
             cuda_graphs=a.cuda_graphs,

@@ -53,11 +53,6 @@ class ComputedConfig:
     # streams land over a few ms), the first step waits for the next ones: until none has
     # come for a quarter of this, at most this long. 0: step at the first arrival.
     admission_window_seconds: float = 0.02
-    # While sequences run, an arrival's admission is answered before the next step (it
-    # prefills in that step) when a step takes at least this many Step round trips, and
-    # travels beside that step otherwise (it prefills in the one after): the running rows
-    # lose one round trip, the arrival gains a step of time to first token. 0: always beside.
-    admit_now_steps_per_rtt: float = 8.0
     # Decode steps one iteration may run back to back while every running sequence
     # decodes and no request waits (an arrival ends the burst after its current step);
     # 1: an iteration (schedule, directory Step, thread hand-off) per step.
@@ -127,8 +122,6 @@ class ComputedConfig:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
         if not 1 <= self.decode_steps <= 64:
             raise ValueError(f"--decode-steps must be in 1..64, got {self.decode_steps}")
-        if self.admit_now_steps_per_rtt < 0:
-            raise ValueError(f"--admit-now-steps-per-rtt must be >= 0, got {self.admit_now_steps_per_rtt:g}")
         if not 0.0 <= self.admission_window_seconds <= 1.0:
             raise ValueError(
                 f"--admission-window-ms must be in 0..1000, got {self.admission_window_seconds * 1e3:g}"

@@ -151,22 +151,14 @@ class Engine:
         observer: EngineObserver | None = None,
         admission_window: float = 0.0,
         compute: ComputeThread | None = None,
-        admit_now_steps_per_rtt: float = 0.0,
     ) -> None:
         """`admission_window`: seconds the first step after idling may wait for requests
         arriving together (see `_gather_arrivals`); 0 steps at the first arrival.
-        `admit_now_steps_per_rtt`: see `_admits_now`; 0 never waits for an admission while
-        sequences run.
         `compute`: the thread that loaded the model (computed/compute_thread.py says why
         it must be that one); None: a new one."""
         assert admission_window >= 0.0, f"admission window {admission_window} < 0"
         self.scheduler = scheduler
         self._admission_window = admission_window
-        self._admit_now_steps_per_rtt = admit_now_steps_per_rtt
-        # Running means (exponential) of a Step's round trip when the engine waited for it,
-        # and of one forward step: `_admits_now` weighs them. None until first seen.
-        self._step_rtt: float | None = None
-        self._forward_step: float | None = None
         self._new_arrivals = False  # a request came since the last `_gather_arrivals`
         # When the last burst began (the first arrival with none running) and how many
         # requests arrived within the window of it: a lone request never waits, a client
@@ -397,12 +389,10 @@ class Engine:
         if self._shared is not None:
             ops.shared_written, ops.shared_failed, ops.shared_missing = self._shared.take_reports()
         self.stats.num_steps += 1
-        if ops.must_wait and (not self.scheduler.running or self._admits_now(ops)):
+        if ops.must_wait and not self.scheduler.running:  # nothing can step without the answer
             started = time.monotonic()
             result = await self._step(ops)
-            waited = time.monotonic() - started
-            self.stats.directory_wait_seconds += waited
-            self._step_rtt = _mean(self._step_rtt, waited)
+            self.stats.directory_wait_seconds += time.monotonic() - started
             if result is None:
                 return False
             self.scheduler.apply_result(ops, result)
@@ -425,19 +415,6 @@ class Engine:
         chunks = self.scheduler.schedule()
         await self._forward_alongside(chunks, ops)
         return bool(chunks) or not ops.is_empty
-
-    def _admits_now(self, ops: DirectoryOps) -> bool:
-        """Whether this step's admissions are answered before it runs (the admitted
-        sequences prefill in it) rather than beside it (they prefill in the next one).
-        Waiting costs the running rows one Step round trip; travelling beside costs each
-        arrival a whole step of time to first token. So wait when a step is long against
-        a round trip: on this machine's CPU a step of 32 rows is 10-30 ms against a 1-2 ms
-        round trip (`python -m bench --only serving`: TTFT p50 ours ÷ vLLM)."""
-        if not ops.admits or self._admit_now_steps_per_rtt <= 0:
-            return False
-        if self._step_rtt is None or self._forward_step is None:
-            return False
-        return self._forward_step >= self._admit_now_steps_per_rtt * self._step_rtt
 
     async def _forward_alongside(self, chunks: list[ScheduledChunk], ops: DirectoryOps) -> None:
         """Run `chunks` while `ops` (none of them urgent) travel to blockd; blockd's answer
@@ -572,14 +549,11 @@ class Engine:
                     self._finish(req, "error", stopped=True)
             return
         finally:
-            elapsed = time.monotonic() - started
-            self.stats.forward_seconds += elapsed
+            self.stats.forward_seconds += time.monotonic() - started
         if burst is not None:
             burst.take()  # what an inline forward delivered, or what is still queued
-            self._forward_step = _mean(self._forward_step, elapsed / max(1, burst.num_taken))
         else:
             self._take_step(chunks, sampled)
-            self._forward_step = _mean(self._forward_step, elapsed)
 
     def _take_step(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> None:
         """One forward step's results, in order: counters, the scheduler's bookkeeping
@@ -648,11 +622,6 @@ class Engine:
         self._fed.append(req.queue)
 
 
-def _mean(mean: float | None, sample: float, weight: float = 0.2) -> float:
-    """An exponential running mean; the first sample starts it."""
-    return sample if mean is None else mean + weight * (sample - mean)
-
-
 class _BurstSteps:
     """A burst's steps as the compute thread delivers them, taken on the event loop.
 
@@ -675,10 +644,6 @@ class _BurstSteps:
         self._loop = loop
         self._queued: collections.deque[tuple[list[int], list[int]]] = collections.deque()
         self._num_taken = 0
-
-    @property
-    def num_taken(self) -> int:
-        return self._num_taken
 
     def deliver(self, rows: list[int], tokens: list[int]) -> None:
         self._queued.append((rows, tokens))

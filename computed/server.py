@@ -189,7 +189,6 @@ def build_server(config: ComputedConfig) -> ComputedServer:
         directory,
         Histograms(registry) if config.metrics_port is not None else None,
         admission_window=config.admission_window_seconds,
-        admit_now_steps_per_rtt=config.admit_now_steps_per_rtt,
         compute=compute_thread,
     )
     if config.metrics_port is not None:

@@ -51,7 +51,6 @@ def build(
     admission_window: float = 0.0,
     compute: ComputeThread | None = None,
     decode_steps: int = 1,
-    admit_now_steps_per_rtt: float = 0.0,
 ) -> tuple[Engine, InProcessDirectory]:
     loaded = load_model(tiny_models.get("llama"), torch.device("cpu"), torch.float32)
     c = loaded.config
@@ -67,15 +66,7 @@ def build(
         eos_token_ids=(),
     )
     directory = InProcessDirectory(BlockDirectory(), num_blocks, BLOCK, num_host_blocks=num_host_blocks)
-    engine = Engine(
-        scheduler,
-        runner,
-        directory,
-        admission_window=admission_window,
-        compute=compute,
-        admit_now_steps_per_rtt=admit_now_steps_per_rtt,
-    )
-    return engine, directory
+    return Engine(scheduler, runner, directory, admission_window=admission_window, compute=compute), directory
 
 
 async def generate(
@@ -495,44 +486,3 @@ def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
     assert runner.run_steps(decode, [2, 4], never, threading.Event()) == [
         [a, b if j < 4 else None] if j < 2 else [None, b] for j, (a, b) in enumerate(one_by_one[:4])
     ]
-
-
-@pytest.mark.parametrize(("steps_per_rtt", "forwards"), [(8.0, 1), (0.0, 2)])
-def test_an_arrival_while_others_run_prefills_in_the_next_step_when_steps_are_long(
-    tiny_models: TinyModels, steps_per_rtt: float, forwards: int
-) -> None:
-    """Steps of 30 ms against an in-process Step of well under 1 ms: with the rule on, an
-    arrival's admission is answered before the next step, which prefills it; with it off
-    the admission travels beside that step and the arrival prefills in the one after."""
-
-    async def run() -> int:
-        engine, _ = build(tiny_models, admit_now_steps_per_rtt=steps_per_rtt)
-        starts: list[float] = []
-        forward = engine.runner.run
-
-        def slow(inp):
-            starts.append(time.monotonic())
-            time.sleep(0.03)
-            return forward(inp)
-
-        engine.runner.run = slow
-        await engine.start()
-        try:
-            await generate(engine, [90, *PROMPT[1:]], max_tokens=2)  # a waited Step: its round trip
-            running = asyncio.create_task(generate(engine, [91, *PROMPT[1:]], max_tokens=30))
-            while len(starts) < 8:
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.01)  # inside a forward
-            arrived = time.monotonic()
-            _, queue = engine.add_request(
-                [92, *PROMPT[1:]], SamplingParams(max_tokens=1, ignore_eos=True), SilentDecoder()
-            )
-            first = await asyncio.wait_for(queue.get(), timeout=30)
-            answered = time.monotonic()
-            await running
-        finally:
-            await engine.stop(drain_seconds=1)
-        assert first.token_ids
-        return sum(1 for t in starts if arrived < t < answered)
-
-    assert asyncio.run(run()) == forwards
