@@ -16,34 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.blockd_grpc import ADMITS_PER_STEP, NUM_WORKERS, _batched, _ms
+from bench.blockd_grpc import ADMITS_PER_STEP, NUM_WORKERS, _batched, _ms, start_blockd
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def start(tree: Path, workdir: Path, name: str) -> tuple[subprocess.Popen, str]:
-    """A blockd run from `tree` (its own blockd package and generated code)."""
-    ready = workdir / f"{name}.ready"
-    args = ["-m", "blockd", "--listen", "127.0.0.1:0", "--lease-ttl", "60", "--log-format", "json"]
-    with open(workdir / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, *args, "--ready-file", str(ready)],
-            cwd=tree,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 60
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not start: {(workdir / f'{name}.log').read_text()}")
-        time.sleep(0.05)
-    return proc, ready.read_text().strip()
 
 
 async def compare(addresses: dict[str, str], rounds: int, seconds: float) -> dict:
@@ -81,7 +59,7 @@ def main(base: Path, rounds: int, seconds: float) -> dict:
         procs = {}
         try:
             for name, tree in (("base", base), ("new", REPO)):
-                procs[name] = start(tree, Path(workdir), name)
+                procs[name] = start_blockd(Path(workdir), name, tree)
             figures = asyncio.run(compare({n: a for n, (_, a) in procs.items()}, rounds, seconds))
         finally:
             for proc, _ in procs.values():

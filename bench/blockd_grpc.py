@@ -59,21 +59,22 @@ STREAM_METHOD = "/kvcache.v1.BlockDirectoryService/StepStream"
 SYSTEM_PROMPT = [random.Random(1).randrange(128_000) for _ in range(SHARED_PREFIX)]
 
 
-def start_blockd(workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_blockd(workdir: Path, name: str = "blockd", tree: Path = REPO) -> tuple[subprocess.Popen, str]:
+    """A blockd run from `tree` (its own blockd package and generated code)."""
     args = ["-m", "blockd", "--listen", "127.0.0.1:0", "--lease-ttl", "60", "--log-format", "json"]
-    return _start(workdir, "blockd", args)
+    return _start(workdir, name, args, tree)
 
 
 def start_echo(workdir: Path) -> tuple[subprocess.Popen, str]:
     return _start(workdir, "echo", ["-m", "bench.blockd_grpc", "--echo"])
 
 
-def _start(workdir: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, str]:
+def _start(workdir: Path, name: str, args: list[str], tree: Path = REPO) -> tuple[subprocess.Popen, str]:
     ready = workdir / f"{name}.ready"
     with open(workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             [sys.executable, *args, "--ready-file", str(ready)],
-            cwd=REPO,
+            cwd=tree,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
