@@ -334,11 +334,7 @@ class AdaptivePolicy:
             evictions[0], run_evictions[run], self.horizon = total, in_run, horizon
         else:
             cls = min(5, uses) - 1
-            total = evictions[cls]
-            for _ in range(num):
-                scale *= grow
-                total += scale
-            evictions[cls] = total
+            scale, evictions[cls] = _decayed_sum(scale, grow, evictions[cls], num)
         self._scale = scale
         self._since += num
         if self._since >= self.REFRESH:
@@ -554,11 +550,7 @@ class GatedPolicy:
         self.inner.evicted_many(priority, num)
         side = 0 if priority[2] < 2 else 1
         victims = self._victims
-        total = victims[side]
-        for _ in range(num):
-            scale *= grow
-            total += scale
-        victims[side] = total
+        scale, victims[side] = _decayed_sum(scale, grow, victims[side], num)
         self._scale = scale
         self._num_evictions += num
         self._since += num
@@ -583,6 +575,16 @@ class GatedPolicy:
         admitted_rate = (admitted_returns + prior * base) / (admitted + prior)
         gate = admitted_rate / probation_rate / 2**self.MARGIN - 1
         self._gate = min(self.MAX_PENALTY, max(0.0, gate))
+
+
+def _decayed_sum(scale: float, grow: float, total: float, num: int) -> tuple[float, float]:
+    """(scale, total) after `num` evictions of one decayed counter, each as `evicted` does
+    it (`scale *= grow`, then `total += scale`): the same products in the same order, so
+    the same bits (a closed form rounds otherwise)."""
+    for _ in range(num):
+        scale *= grow
+        total += scale
+    return scale, total
 
 
 def _may_pass(scale: float, grow: float, num: int, limit: float) -> bool:

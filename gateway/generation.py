@@ -33,7 +33,6 @@ class Generation:
         self._prompt = prompt
         self._sampling = sampling
         self._call: grpc.aio.UnaryStreamCall | Handle | None = None
-        self._multiplexed = False  # the call is a Handle on the worker's GenerateMany stream
         self.worker: Worker | None = None
         self._placement: Placement | None = None
         self._waiting = False  # counted in the worker's queued prefill
@@ -97,7 +96,6 @@ class Generation:
         self._finished = False
         timeout = self._fleet.config.request_timeout
         stream = worker.stream
-        self._multiplexed = stream is not None and not stream.is_unsupported
         if stream is not None and not stream.is_unsupported:
             self._call = await stream.generate(request, timeout)
         else:
@@ -105,7 +103,7 @@ class Generation:
 
     def _older(self, worker: Worker) -> bool:
         """This request went on the worker's stream, which was found unserved since."""
-        return self._multiplexed and worker.stream is not None and worker.stream.is_unsupported
+        return isinstance(self._call, Handle) and worker.stream is not None and worker.stream.is_unsupported
 
     def _prefilled(self) -> None:
         if self._waiting and self._placement is not None:
