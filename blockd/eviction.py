@@ -37,6 +37,7 @@ from itertools import count
 from typing import Protocol
 
 from blockd.block import Block
+from blockd.minisim import PolicyChooser
 
 Priority = tuple[float, ...]
 
@@ -456,6 +457,10 @@ class GatedPolicy:
     INITIAL_GATE = 0.0
     MIN_EVIDENCE = 20  # evictions before the gate moves (fewer: the rates are noise)
     DECAY = 1 - 1 / 20_000  # victims and returns counted per side: the last ~20k evictions
+    # The orders `priority` can give (`SimulatedPolicy` picks one; this policy keeps the
+    # first, its own): the adaptive order, lfu's, lru+seen2's.
+    CANDIDATES = ("adaptive", "lfu", "lru+seen2")
+    SIMULATES = False  # whether the pool feeds it released sequences (`SimulatedPolicy.observe`)
 
     def __init__(self) -> None:
         # Its horizon stays one-use victims' age. Measured in admitted victims' lifetimes
@@ -473,6 +478,8 @@ class GatedPolicy:
         self._num_evictions = 0
         self._since = 0  # evictions since the gate was computed
         self._stale = False
+        self._mode = 0  # index into CANDIDATES: whose order `priority` gives (SimulatedPolicy)
+        self._chooser: PolicyChooser | None = None
 
     @property
     def victims(self) -> list[float]:
@@ -515,6 +522,18 @@ class GatedPolicy:
 
     def priority(self, block: Block) -> Priority:
         value, tick, uses, run = self.inner.priority(block)
+        mode = self._mode
+        if mode:
+            if mode == _LFU:  # LfuPolicy's order: verified hits (scaled by retention), then recency
+                if block.retention:
+                    value = (block.num_hits + 1) * retention_weight(block) - 1
+                else:
+                    value = block.num_hits
+            else:  # lru+seen2's: one-use blocks first, then retention, then recency
+                value = (
+                    min(uses, 2) * (MAX_RETENTION + 1) + (block.retention or DEFAULT_RETENTION)
+                ) * _TICKS + tick
+            return (value, tick, uses, run)
         if uses < 2:
             leader = self._leader
             if leader._stale:
@@ -570,11 +589,71 @@ class GatedPolicy:
         scale = self._scale
         (on_probation, admitted), (probation_returns, admitted_returns) = self._victims, self._returns
         base = (probation_returns + admitted_returns + scale) / (on_probation + admitted + 2 * scale)
-        prior = AdaptivePolicy.PRIOR * scale
+        prior = self.inner.PRIOR * scale
         probation_rate = (probation_returns + prior * base) / (on_probation + prior)
         admitted_rate = (admitted_returns + prior * base) / (admitted + prior)
         gate = admitted_rate / probation_rate / 2**self.MARGIN - 1
         self._gate = min(self.MAX_PENALTY, max(0.0, gate))
+
+
+class SimulatedPolicy(GatedPolicy):
+    """`adaptive` that follows whichever of its candidates (`CANDIDATES`: its own order,
+    lfu's, lru+seen2's) miniature simulations say hits most on this pool's traffic
+    (blockd.minisim: each candidate on a sample of the block hashes with a pool scaled by
+    the same factor, Waldspurger et al., USENIX ATC'17). Opt-in (`adaptive-sim`), not the
+    default: it costs blockd CPU per admission (`PolicyChooser`'s docstring).
+
+    The pool calls `observe` at each release once it has evicted; when the choice
+    changes, the pool re-keys its heap (`EvictableLeaves.rekey`). Every order is one
+    tuple shape (value, tick, uses, run), so the gate and the inner policy keep learning
+    from the victims whichever order chose them, and the order the pool follows starts
+    as `adaptive`'s. Host tiers follow the device's gate, in the adaptive order."""
+
+    name = "adaptive-sim"
+    SIMULATES = True
+
+    @property
+    def mode(self) -> str:
+        """The candidate whose order the pool follows now (`CANDIDATES`)."""
+        return self.CANDIDATES[self._mode]
+
+    def observe(self, blocks: list[Block], tick: int, num_blocks: int) -> bool:
+        """A sequence was released at `tick` with `blocks` (root first) from a pool of
+        `num_blocks`: feed the miniature simulations (created on the first call, so a
+        host tier's or a simulated policy never has them); answers whether the order
+        changed (the caller re-keys its heap: priorities of two modes do not compare)."""
+        chooser = self._chooser
+        if chooser is None:
+            chooser = self._chooser = PolicyChooser(num_blocks, self.CANDIDATES, _make_candidate)
+        if not chooser.observe(blocks, tick):
+            return False
+        self._mode = chooser.best
+        return True
+
+
+_LFU = 1  # GatedPolicy.CANDIDATES.index("lfu")
+_TICKS = 2.0**40  # release ticks below this keep lru+seen2's order exact in one float
+
+
+def _make_candidate(name: str, rate: float) -> EvictionPolicy:
+    """A candidate policy for a miniature simulation on 1/`rate` of the keys (the adaptive
+    one without simulations of its own). The adaptive policies count evictions: a
+    simulation has 1/rate as many, so their windows and priors are scaled by it to span
+    the same traffic. Unscaled, at rate ~10 the simulated adaptive policy learned 10x
+    slower and ranked below lru+seen2 on long-conversation and one-off at 2%, where the
+    pool ranks it above (rate 1 ranked them as the pool does; bench.eviction_quality)."""
+    policy = make_policy(name)
+    if isinstance(policy, GatedPolicy) and rate > 1:
+        inner = policy.inner
+        inner.DECAY = 1 - min(0.5, (1 - AdaptivePolicy.DECAY) * rate)
+        inner._grow = 1 / inner.DECAY
+        inner.PRIOR = AdaptivePolicy.PRIOR / rate
+        inner.HORIZON_WINDOW = max(1, round(AdaptivePolicy.HORIZON_WINDOW / rate))
+        inner.REFRESH = max(1, round(AdaptivePolicy.REFRESH / rate))
+        policy.DECAY = 1 - min(0.5, (1 - GatedPolicy.DECAY) * rate)
+        policy._grow = 1 / policy.DECAY
+        policy.MIN_EVIDENCE = max(1, round(GatedPolicy.MIN_EVIDENCE / rate))
+    return policy
 
 
 def _decayed_sum(scale: float, grow: float, total: float, num: int) -> tuple[float, float]:
@@ -598,6 +677,7 @@ def _may_pass(scale: float, grow: float, num: int, limit: float) -> bool:
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "adaptive": GatedPolicy,
+    "adaptive-sim": SimulatedPolicy,
     "adaptive-ungated": AdaptivePolicy,
     "lru": LruPolicy,
     "lfu": LfuPolicy,
@@ -725,6 +805,18 @@ class EvictableLeaves:
                 self._policy.evicted(priority)
                 return priority, block
         return None
+
+    def rekey(self) -> None:
+        """Recompute every valid entry's priority (the policy's order changed: entries
+        pushed under the old one do not compare with new ones). O(n); rare (a change of
+        `GatedPolicy.mode`)."""
+        priority = self._policy.priority
+        self._heap = [
+            (priority(block), key, block)
+            for _, key, block in self._heap
+            if block.heap_key == key and block.is_evictable_leaf
+        ]
+        heapq.heapify(self._heap)
 
     def compact(self, num_evictable: int) -> None:
         """Drop stale entries once they dominate (call after operations that hit)."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from blockd.admission import KeyMemory
-from blockd.eviction import GatedPolicy
+from blockd.eviction import POLICIES, GatedPolicy
 from blockd.hashing import BlockHasher, salt_tag
 from blockd.prompt import Prompt
 from blockd.types import BlockHash
@@ -60,7 +60,8 @@ class MissReason(enum.Enum):
 # bench.eviction_quality); 1.25 bytes each, against ~200 per ghost.
 KEYS_PER_GHOST = 4
 
-GATED_POLICY = GatedPolicy.name  # its one-use victims were never admitted
+# their one-use victims were never admitted (SimulatedPolicy: whichever order it followed)
+GATED_POLICIES = frozenset(name for name, cls in POLICIES.items() if issubclass(cls, GatedPolicy))
 
 # Ghost causes that are reasons of their own (an eviction's cause is the policy name).
 FLUSH = "flush"
@@ -80,7 +81,7 @@ class Ghost:
     def not_admitted(self) -> bool:
         """Evicted by the admission gate's policy while on probation (used once, its key
         not seen before): the block was cached but never admitted (MISS_REASON_NOT_ADMITTED)."""
-        return self.cause == GATED_POLICY and self.num_uses < 2
+        return self.cause in GATED_POLICIES and self.num_uses < 2
 
     @property
     def reason(self) -> MissReason:

@@ -145,6 +145,7 @@ class BlockPool:
         # Faster first: the order an admission walks them (`blockd.tiers.registry`).
         self.lower_tiers: list[LowerTier] = make_lower_tiers(setup)
         self._gated = isinstance(self.leaves.policy, GatedPolicy)
+        self._simulates = self._gated and self.leaves.policy.SIMULATES  # type: ignore[attr-defined]
         tiers = self.lower_tiers
         # The tier that takes the device's eviction victims, and the one whose records
         # a commit may adopt (the pool's own `Block`s); None without one.
@@ -400,6 +401,15 @@ class BlockPool:
                     self._unreferenced(block, tick)
         self.num_evictable += num_idle
         self.num_referenced -= num_idle
+        # adaptive-sim simulates its candidates on what was used (once under pressure)
+        if (
+            self._simulates
+            and self.counters.num_evictions
+            and self.leaves.policy.observe(  # type: ignore[attr-defined]
+                sequence.committed, tick, self.num_blocks
+            )
+        ):
+            self.leaves.rekey()
         owned = sequence.block_ids[sequence.num_committed :]
         self.free.give_all(owned)
         self.num_referenced -= len(owned)
