@@ -62,8 +62,8 @@ POOL_SHARES = (0.02, 0.05, 0.10, 0.25)
 # not an idea: lru+seen2 stands for the seen-twice rule).
 OTHERS = ("adaptive-ungated", "lru", "lru+seen2", "lfu", "lfuda")
 # Measured beside them, not counted as "other shipped": adaptive-sim (opt-in) follows the
-# best of adaptive, lfu and lru+seen2 by miniature simulation (blockd.minisim), at ~1.9x
-# blockd's CPU per admission (bench.blockd_inprocess), so it is no default.
+# best of adaptive, lfu, lru+seen2 and lfuda by miniature simulation (blockd.minisim), at
+# ~2.2x blockd's CPU per admission (bench.blockd_inprocess), so it is no default.
 EXPERIMENTS = ("adaptive-sim",)
 POLICIES = (DEFAULT_POLICY, *OTHERS, *EXPERIMENTS)
 READ_ONLY = "read-only one-offs"  # the default, one-offs sent with cache_policy READ_ONLY

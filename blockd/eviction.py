@@ -459,7 +459,7 @@ class GatedPolicy:
     DECAY = 1 - 1 / 20_000  # victims and returns counted per side: the last ~20k evictions
     # The orders `priority` can give (`SimulatedPolicy` picks one; this policy keeps the
     # first, its own): the adaptive order, lfu's, lru+seen2's.
-    CANDIDATES = ("adaptive", "lfu", "lru+seen2")
+    CANDIDATES = ("adaptive", "lfu", "lru+seen2", "lfuda")
     SIMULATES = False  # whether the pool feeds it released sequences (`SimulatedPolicy.observe`)
 
     def __init__(self) -> None:
@@ -479,6 +479,7 @@ class GatedPolicy:
         self._since = 0  # evictions since the gate was computed
         self._stale = False
         self._mode = 0  # index into CANDIDATES: whose order `priority` gives (SimulatedPolicy)
+        self._age = 0.0  # lfuda's (SimulatedPolicy)
         self._chooser: PolicyChooser | None = None
 
     @property
@@ -529,10 +530,12 @@ class GatedPolicy:
                     value = (block.num_hits + 1) * retention_weight(block) - 1
                 else:
                     value = block.num_hits
-            else:  # lru+seen2's: one-use blocks first, then retention, then recency
+            elif mode == _SEEN2:  # lru+seen2's: one-use blocks first, then retention, then recency
                 value = (
                     min(uses, 2) * (MAX_RETENTION + 1) + (block.retention or DEFAULT_RETENTION)
                 ) * _TICKS + tick
+            else:  # lfuda's: the age (its victims' highest value) plus uses, scaled by retention
+                value = self._age + (uses * retention_weight(block) if block.retention else uses)
             return (value, tick, uses, run)
         if uses < 2:
             leader = self._leader
@@ -598,7 +601,7 @@ class GatedPolicy:
 
 class SimulatedPolicy(GatedPolicy):
     """`adaptive` that follows whichever of its candidates (`CANDIDATES`: its own order,
-    lfu's, lru+seen2's) miniature simulations say hits most on this pool's traffic
+    lfu's, lru+seen2's, lfuda's) miniature simulations say hits most on this pool's traffic
     (blockd.minisim: each candidate on a sample of the block hashes with a pool scaled by
     the same factor, Waldspurger et al., USENIX ATC'17). Opt-in (`adaptive-sim`), not the
     default: it costs blockd CPU per admission (`PolicyChooser`'s docstring).
@@ -630,8 +633,18 @@ class SimulatedPolicy(GatedPolicy):
         self._mode = chooser.best
         return True
 
+    def evicted(self, priority: Priority) -> None:
+        if self._mode == _LFUDA:
+            self._age = max(self._age, priority[0])
+        super().evicted(priority)
 
-_LFU = 1  # GatedPolicy.CANDIDATES.index("lfu")
+    def evicted_many(self, priority: Priority, num: int) -> None:
+        if self._mode == _LFUDA and num > 0:
+            self._age = max(self._age, priority[0])
+        super().evicted_many(priority, num)
+
+
+_LFU, _SEEN2, _LFUDA = 1, 2, 3  # GatedPolicy.CANDIDATES' indices
 _TICKS = 2.0**40  # release ticks below this keep lru+seen2's order exact in one float
 
 

@@ -184,15 +184,20 @@ class PolicyChooser:
     Memory (estimated from object sizes, not measured): per candidate, `capacity` entries
     (a MiniBlock, a dict and a heap entry: ~350 B), 2x as many ghosts (~120 B) and a key
     memory of 8x (3 B a key): ~620 B per block of `capacity` (`nbytes_per_block`). CPU
-    (bench.blockd_inprocess, 4,096-block pools, rate 4 at MINI_BLOCKS 1024): ~1,050 us per
-    admission against ~560 for `adaptive` (at MINI_BLOCKS 256: ~695), one slice per release,
-    then each candidate's `access` on 1/rate of the sequence's blocks.
+    (bench.blockd_inprocess, 4,096-block pools, rate 4 at MINI_BLOCKS 1024; one slice per
+    release, then each candidate's `access` on 1/rate of the sequence's blocks): with four
+    candidates ~1,270-1,360 us per admission against ~560-610 for `adaptive`; with three,
+    ~1,050 (at MINI_BLOCKS 256: ~695).
     """
 
     # Target capacity of each simulation (rate = pool / MINI_BLOCKS). Measured on
-    # bench.eviction_quality's 28 cells, worst ratio to the best other shipped policy: 1024,
-    # 0.968 (long-conversation 2%); 256, 0.944 (one-off 2%: at rate ~10 the three candidates,
-    # 5% apart in the pool, came out within 2% in the wrong order); the adaptive default 0.955.
+    # bench.eviction_quality's 28 cells, worst ratio to the best other shipped policy, with
+    # adaptive, lfu and lru+seen2 as candidates: 1024, 0.968 (long-conversation 2%, where
+    # lfuda is best: with it a candidate, 0.971 at one-off 2%); 256, 0.944 (one-off 2%: at
+    # rate ~10 the candidates, 5% apart in the pool, came out within 2% in the wrong order);
+    # the adaptive default 0.955. A MARGIN of 0.03 instead of 0.01: 0.943 (an early wrong
+    # choice held); hits halved every 128 x capacity instead of 32: 0.968; a switch that also
+    # needs a lead over 2 x sqrt(the two counts): 0.959.
     MINI_BLOCKS = 1024
     HALF_LIFE_POOLS = 32  # hits halved every this many x capacity sampled blocks
     MIN_EVICTIONS = 2  # x capacity, per simulation, before the choice moves

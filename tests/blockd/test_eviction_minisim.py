@@ -115,7 +115,7 @@ def _check_heap(pool) -> None:
     policy = pool.leaves.policy
     for priority, key, block in pool.leaves._heap:
         valid = block.heap_key == key and block.is_evictable_leaf
-        if valid and isinstance(policy, SimulatedPolicy) and policy.mode != "adaptive":
+        if valid and isinstance(policy, SimulatedPolicy) and policy.mode in ("lfu", "lru+seen2"):
             assert priority == policy.priority(block), (policy.mode, priority, policy.priority(block))
 
 
