@@ -107,7 +107,12 @@ class SharedRecord:
 class PendingStore:
     record: SharedRecord
     pool_id: PoolId
-    parent_identity: bytes | None  # the identity the resident parent must have
+    # The record the block's parent is in this index (resident or pending), checked
+    # against the writer's chain level by level (`SharedIndex.record_of`); None for a
+    # first block. Equal hashes alone never decide: under a hash collision another
+    # chain's record may sit under the parent's hash, and linking to it would serve
+    # this block's K/V to that chain's prompts.
+    parent: SharedRecord | None
 
 
 class SharedIndex:
@@ -175,9 +180,27 @@ class SharedIndex:
 
     # ------------------------------------------------------------ residency
 
-    def add_pending(self, record: SharedRecord, pool_id: PoolId, parent_identity: bytes | None) -> None:
+    def known_record(self, block_hash: BlockHash) -> SharedRecord | None:
+        """The record under this hash, resident or pending (None: neither)."""
+        record = self.index.get(block_hash)
+        if record is not None:
+            return record
+        store = self.pending.get(block_hash)
+        return store.record if store is not None else None
+
+    def parent_of(self, record: SharedRecord) -> SharedRecord | None:
+        """A resident record's parent, or the parent a pending one was written under."""
+        if record.is_resident:
+            return record.parent
+        store = self.pending.get(record.block_hash)
+        return store.parent if store is not None and store.record is record else None
+
+    def add_pending(self, record: SharedRecord, pool_id: PoolId, parent: SharedRecord | None) -> None:
+        """`parent`: the record of the block's parent, verified by the caller to be this
+        chain's (not only this hash's); None for a first block."""
         assert not self.is_known(record.block_hash), "one record per hash"
-        self.pending[record.block_hash] = PendingStore(record, pool_id, parent_identity)
+        assert (parent is None) == (record.parent_hash is None), "a first block has no parent"
+        self.pending[record.block_hash] = PendingStore(record, pool_id, parent)
 
     def confirm(
         self, pool_id: PoolId, block_hashes: Iterable[BlockHash]
@@ -191,17 +214,11 @@ class SharedIndex:
             del self.pending[store.record.block_hash]
         resident: list[SharedRecord] = []
         for store in sorted(mine, key=lambda s: s.record.depth):
-            record = store.record
-            if record.parent_hash is not None:
-                parent = self.index.get(record.parent_hash)
-                if (
-                    parent is None
-                    or parent.identity != store.parent_identity
-                    or parent.depth != record.depth - 1  # a colliding hash at another depth
-                ):
-                    continue  # its parent never made it: it could never be reached
-            else:
-                parent = None
+            record, parent = store.record, store.parent
+            if parent is not None and not (
+                parent.is_resident and self.index.get(parent.block_hash) is parent
+            ):
+                continue  # its parent never made it (or left): it could never be reached
             self._place(record, parent)
             resident.append(record)
         return resident, self._keep_within_bounds()

@@ -119,35 +119,62 @@ class SharedLevel(LowerTier):
         """Ask the worker to write these device-cached blocks (parent first), unless
         the store holds them or a write of them is under way."""
         shared = self.index
+        records: dict[int, SharedRecord] = {}  # id(block) -> its record, made in this call
         for block in blocks:
             if shared.is_known(block.block_hash):
                 continue
             parent = block.parent
-            digest = salt_digest_of(salt_tag(block.mixed_salt)) if block.mixed_salt is not None else None
+            parent_record = None
+            if parent is not None:
+                parent_record = records.get(id(parent)) or self._record_of(parent)
+                if parent_record is None:
+                    continue  # its parent is not (or under its hash, another chain is) stored
             record = SharedRecord(
                 block.block_hash,
                 parent.block_hash if parent is not None else None,
                 block.token_bytes,
-                digest,
+                _salt_digest(block),
                 block.depth,
             )
-            parent_identity = None
-            if parent is not None:
-                parent_digest = (
-                    salt_digest_of(salt_tag(parent.mixed_salt)) if parent.mixed_salt is not None else None
-                )
-                parent_identity = make_identity(parent.token_bytes, parent_digest)
-            shared.add_pending(record, self.pool_id, parent_identity)
+            shared.add_pending(record, self.pool_id, parent_record)
+            records[id(block)] = record
             self._stores.append(
                 SharedBlock(
                     block.block_id,  # type: ignore[arg-type]
                     record.block_hash,
                     record.parent_hash,
                     record.token_bytes,
-                    digest,
+                    record.salt_digest,
                     record.depth,
                 )
             )
+
+    def _record_of(self, block: Block) -> SharedRecord | None:
+        """The record, resident or pending, that holds this device block's chain: the one
+        under its hash, if it and every record above it carry the block's and its
+        ancestors' identities (tokens and salt) at their depths; else None. O(depth),
+        once per stored run (its first block's parent). Why not the hash alone: under a
+        collision another chain's record sits there (tests/blockd/test_properties.py,
+        the colliding shared-tier machine)."""
+        shared = self.index
+        found = shared.known_record(block.block_hash)
+        record: SharedRecord | None = found
+        node: Block | None = block
+        while node is not None:
+            if (
+                record is None
+                or record.block_hash != node.block_hash
+                or record.depth != node.depth
+                or record.identity != make_identity(node.token_bytes, _salt_digest(node))
+            ):
+                return None
+            node, record = node.parent, shared.parent_of(record)
+        return found if record is None else None
+
+
+def _salt_digest(block: Block) -> bytes | None:
+    """What a shared record keeps of the block's salt: a one-way digest of its tag."""
+    return salt_digest_of(salt_tag(block.mixed_salt)) if block.mixed_salt is not None else None
 
 
 def removed_event(events, dropped: list[SharedRecord], pool_id: str = "") -> None:

@@ -17,7 +17,9 @@ A = [1, 2, 3, 4, 5, 6]  # three blocks
 SHARED = HostSpec(has_shared_tier=True)
 
 
-def two_pools(**config) -> tuple[Harness, Harness]:
+def two_pools(hasher: BlockHasher | None = None, **config) -> tuple[Harness, Harness]:
+    if hasher is not None:
+        config["hasher"] = hasher
     a = harness(num_blocks=16, block_size=BS, host=SHARED, **config)
     reg = a.directory.register_pool(16, BS, NAMESPACE, "worker-1:50052", host=SHARED)
     return a, Harness(a.directory, a.clock, reg.pool_id, reg.epoch, BS)
@@ -85,6 +87,29 @@ def test_a_child_whose_parent_never_made_it_stays_unfindable():
     stores = stored_on(a, 1, A)
     a.step(shared_written=[s.block_hash for s in stores[1:]], shared_failed=[stores[0].block_hash])
     assert len(a.directory.shared.index_for(a.pool.seed)) == 0
+
+
+# Blind to the parent: a block's hash is its own tokens', so equal blocks under other
+# prefixes collide (as any hash may), the case only the records' parent links tell apart.
+BLIND = BlockHasher(digest=lambda data: xxhash.xxh3_128_digest(data[-BS * 4 :]))
+
+
+def test_a_write_under_a_colliding_parent_hash_never_joins_the_other_chain():
+    """B = [7, 8] [3, 4] [9, 10]: its middle block's hash is A's middle block's (same
+    tokens, other prefix), so its last block's parent hash names A's record. Linked by
+    that hash, [9, 10]'s K/V (computed after [7, 8]) would be served to A's prompts; it
+    must not be written at all (it could never be found on its own chain)."""
+    a, b = two_pools(BLIND)
+    a.step(shared_written=[s.block_hash for s in stored_on(a, 1, A)])
+    a.directory.flush(tier=Tier.DEVICE)  # A stays in the store only: B's chain is cached whole
+    b_chain = [7, 8, 3, 4, 9, 10]
+    stores = stored_on(a, 2, b_chain)
+    a.step(shared_written=[s.block_hash for s in stores])
+    # A's prefix with B's last block: only A's own two blocks are in the store.
+    assert b.directory.lookup([1, 2, 3, 4, 9, 10], pool_id=b.pool_id)[0].num_shared_cached_tokens == 4
+    assert [s.depth for s in stores] == [0]  # [3, 4]'s hash is A's; [9, 10] has no parent record
+    assert b.directory.lookup(A, pool_id=b.pool_id)[0].num_shared_cached_tokens == 6
+    assert b.directory.lookup(b_chain, pool_id=b.pool_id)[0].num_shared_cached_tokens == 2
 
 
 def test_salted_blocks_never_cross_tenants():
