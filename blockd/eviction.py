@@ -26,6 +26,11 @@ ghost table) are on probation and go first, as strictly as the ghost returns say
 within the inner policy, one-use blocks live shorter or longer by the length of the run
 they were computed in (`Block.run_length`: long fresh runs are scans and pasted one-shot
 documents), as their run class's ghost returns against the other one-use blocks' say.
+
+`adaptive-sim` (SimulatedPolicy, opt-in) is `adaptive` following whichever of adaptive,
+lfu, lru+seen2 and lfuda miniature simulations on a sample of the pool's block hashes
+say hits most (blockd.minisim); ~2.3x blockd's CPU per admission under
+bench.blockd_inprocess, so not the default.
 """
 
 from __future__ import annotations
