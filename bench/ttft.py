@@ -9,10 +9,11 @@ runs with --max-num-batched-tokens 8192 so a 4K prefill is one chunk. The 4,096-
 row is repeated on the tests' tiny model (tests/models.py: 3 layers, hidden 64), whose
 forward is a few ms: there the TTFT is mostly what is not the model.
 
-Where a warm request's time goes: computed's own counters around each warm request give
-its forward time and the time its engine waited on blockd (the admission's Step); what
-is left of "inside computed" is the engine's host work, and of the TTFT, gRPC and the
-client. Beside each ratio, the work ratio (`bench.forward_work`): the warm forward's
+Where a warm request's time goes: computed's forward-seconds counter around each warm
+request gives its forward (the one forward of a max_tokens=1 request, thread hand-off
+included); the rest of "inside computed" is the admission's Step to blockd (one round
+trip, ~1 ms here) and the engine's host work, and the rest of the TTFT is gRPC both ways
+and the client. Beside each ratio, the work ratio (`bench.forward_work`): the warm forward's
 multiply-adds over the cold one's, the least the ratio could be if the warm forward ran
 at the cold one's rate and nothing else took time. At 4,096 + 64 on the default model it
 is 0.024: a goal of 0.03 leaves 0.006 of the cold TTFT (about 1.6 ms) for every fixed
@@ -83,13 +84,13 @@ def run(ctx: BenchContext) -> BenchResult:
     table = [
         (
             "| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm, inside computed (ms) | of which the forward "
-            "(ms) | of which waiting on blockd (ms) | warm ÷ cold | work ratio (multiply-adds) |"
+            "(ms) | warm ÷ cold | work ratio (multiply-adds) |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     table += [
         f"| {name} | {r.cold * 1e3:.1f} | {r.warm * 1e3:.1f} | {r.inside * 1e3:.1f} | {r.forward * 1e3:.1f} "
-        f"| {r.blockd * 1e3:.1f} | {r.ratio:.4f} | {work:.4f} |"
+        f"| {r.ratio:.4f} | {work:.4f} |"
         for name, r, work in rows
     ]
     plot = "ttft_warm_over_cold.png"
@@ -109,13 +110,12 @@ def run(ctx: BenchContext) -> BenchResult:
 
 class Sample(NamedTuple):
     """One prefix's requests, in seconds: the cold and warm TTFT (client), the warm one
-    inside computed, and the warm request's forward and wait on blockd (computed's counters)."""
+    inside computed, and the warm request's forward (computed's counter)."""
 
     cold: float
     warm: float
     inside: float
     forward: float
-    blockd: float
 
 
 class Row(NamedTuple):
@@ -125,7 +125,6 @@ class Row(NamedTuple):
     warm: float
     inside: float
     forward: float
-    blockd: float
     ratio: float
 
 
@@ -135,15 +134,13 @@ def _row(samples: list[Sample]) -> Row:
         median(s.warm for s in samples),
         median(s.inside for s in samples),
         median(s.forward for s in samples),
-        median(s.blockd for s in samples),
         median(s.warm / s.cold for s in samples),
     )
 
 
-def _counters(stack: Stack) -> tuple[float, float]:
-    """computed's forward seconds and seconds waited on blockd, so far."""
-    m = stack.metrics()
-    return m["computed_forward_seconds_total"], m["computed_directory_wait_seconds_total"]
+def _forward_seconds(stack: Stack) -> float:
+    """computed's seconds in forwards so far."""
+    return stack.metrics()["computed_forward_seconds_total"]
 
 
 async def _measure(
@@ -160,20 +157,12 @@ async def _measure(
                 seed = 10_000 * rep + size
                 cold_prompt, warm_prompt = shared_prefix_prompts(seed, 2, size, NEW_TOKENS, vocab)
                 cold = await generate_one(client, cold_prompt, 1)
-                forward, waited = _counters(stack)
+                forward = _forward_seconds(stack)
                 warm = await generate_one(client, warm_prompt, 1)
-                forward_after, waited_after = _counters(stack)
+                forward = _forward_seconds(stack) - forward
                 assert cold.cached_tokens == 0, f"a fresh prefix hit {cold.cached_tokens} tokens"
                 assert warm.cached_tokens >= size - size % 16, f"warm hit only {warm.cached_tokens}"
-                samples[size].append(
-                    Sample(
-                        cold.ttft_s,
-                        warm.ttft_s,
-                        warm.server_ttft_s,
-                        forward_after - forward,
-                        waited_after - waited,
-                    )
-                )
+                samples[size].append(Sample(cold.ttft_s, warm.ttft_s, warm.server_ttft_s, forward))
         return samples
 
 
