@@ -462,10 +462,6 @@ class GatedPolicy:
     INITIAL_GATE = 0.0
     MIN_EVIDENCE = 20  # evictions before the gate moves (fewer: the rates are noise)
     DECAY = 1 - 1 / 20_000  # victims and returns counted per side: the last ~20k evictions
-    # The orders `priority` can give (`SimulatedPolicy` picks one; this policy keeps the
-    # first, its own): the adaptive order, lfu's, lru+seen2's.
-    CANDIDATES = ("adaptive", "lfu", "lru+seen2", "lfuda")
-    SIMULATES = False  # whether the pool feeds it released sequences (`SimulatedPolicy.observe`)
 
     def __init__(self) -> None:
         # Its horizon stays one-use victims' age. Measured in admitted victims' lifetimes
@@ -483,9 +479,6 @@ class GatedPolicy:
         self._num_evictions = 0
         self._since = 0  # evictions since the gate was computed
         self._stale = False
-        self._mode = 0  # index into CANDIDATES: whose order `priority` gives (SimulatedPolicy)
-        self._age = 0.0  # lfuda's (SimulatedPolicy)
-        self._chooser: PolicyChooser | None = None
 
     @property
     def victims(self) -> list[float]:
@@ -528,20 +521,6 @@ class GatedPolicy:
 
     def priority(self, block: Block) -> Priority:
         value, tick, uses, run = self.inner.priority(block)
-        mode = self._mode
-        if mode:
-            if mode == _LFU:  # LfuPolicy's order: verified hits (scaled by retention), then recency
-                if block.retention:
-                    value = (block.num_hits + 1) * retention_weight(block) - 1
-                else:
-                    value = block.num_hits
-            elif mode == _SEEN2:  # lru+seen2's: one-use blocks first, then retention, then recency
-                value = (
-                    min(uses, 2) * (MAX_RETENTION + 1) + (block.retention or DEFAULT_RETENTION)
-                ) * _TICKS + tick
-            else:  # lfuda's: the age (its victims' highest value) plus uses, scaled by retention
-                value = self._age + (uses * retention_weight(block) if block.retention else uses)
-            return (value, tick, uses, run)
         if uses < 2:
             leader = self._leader
             if leader._stale:
@@ -618,7 +597,30 @@ class SimulatedPolicy(GatedPolicy):
     as `adaptive`'s. Host tiers follow the device's gate, in the adaptive order."""
 
     name = "adaptive-sim"
-    SIMULATES = True
+    # The orders `priority` can give, by `_mode`: its own (adaptive's), lfu's, lru+seen2's, lfuda's.
+    CANDIDATES = ("adaptive", "lfu", "lru+seen2", "lfuda")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = 0  # index into CANDIDATES: whose order `priority` gives
+        self._age = 0.0  # lfuda's: its victims' highest value while it is followed
+        self._chooser: PolicyChooser | None = None
+
+    def priority(self, block: Block) -> Priority:
+        """The followed candidate's order, in adaptive's tuple shape (value, tick, uses, run)."""
+        mode = self._mode
+        if not mode:
+            return super().priority(block)
+        _, tick, uses, run = self.inner.priority(block)
+        if mode == _LFU:  # verified hits (scaled by retention), then recency
+            value = LfuPolicy.priority(_LFU_ORDER, block)[0]
+        elif mode == _SEEN2:  # one-use blocks first, then retention, then recency
+            value = (
+                min(uses, 2) * (MAX_RETENTION + 1) + (block.retention or DEFAULT_RETENTION)
+            ) * _TICKS + tick
+        else:  # lfuda's: the age (its victims' highest value) plus uses, scaled by retention
+            value = self._age + (uses * retention_weight(block) if block.retention else uses)
+        return (value, tick, uses, run)
 
     @property
     def mode(self) -> str:
@@ -649,7 +651,8 @@ class SimulatedPolicy(GatedPolicy):
         super().evicted_many(priority, num)
 
 
-_LFU, _SEEN2, _LFUDA = 1, 2, 3  # GatedPolicy.CANDIDATES' indices
+_LFU, _SEEN2, _LFUDA = 1, 2, 3  # SimulatedPolicy.CANDIDATES' indices
+_LFU_ORDER = LfuPolicy()  # stateless: its order, for SimulatedPolicy
 _TICKS = 2.0**40  # release ticks below this keep lru+seen2's order exact in one float
 
 

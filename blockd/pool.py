@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from blockd.allocator import FreeBlocks
 from blockd.block import Block, Sequence
 from blockd.events import EventKind, EventLog
-from blockd.eviction import EvictableLeaves, EvictionPolicy, GatedPolicy, Priority, admits
+from blockd.eviction import EvictableLeaves, EvictionPolicy, GatedPolicy, Priority, SimulatedPolicy, admits
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
 from blockd.hashing import BlockHasher, block_payloads, block_width, split_blocks
 from blockd.host_tier import HostCounters, HostTier
@@ -145,7 +145,7 @@ class BlockPool:
         # Faster first: the order an admission walks them (`blockd.tiers.registry`).
         self.lower_tiers: list[LowerTier] = make_lower_tiers(setup)
         self._gated = isinstance(self.leaves.policy, GatedPolicy)
-        self._simulates = self._gated and self.leaves.policy.SIMULATES  # type: ignore[attr-defined]
+        self._simulates = isinstance(self.leaves.policy, SimulatedPolicy)
         tiers = self.lower_tiers
         # The tier that takes the device's eviction victims, and the one whose records
         # a commit may adopt (the pool's own `Block`s); None without one.

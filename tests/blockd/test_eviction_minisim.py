@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
-from blockd.eviction import GatedPolicy, LruPolicy, SimulatedPolicy, _make_candidate
+from blockd.eviction import LruPolicy, SimulatedPolicy, _make_candidate
 from blockd.minisim import MiniCache, PolicyChooser
 from blockd.types import AdmitOp, CommitOp, Namespace, ReleaseOp
 from tests.blockd.invariants import check_invariants
@@ -61,19 +61,19 @@ def _cycle(num_keys: int, rounds: int) -> list[list[SimpleNamespace]]:
 
 
 def test_the_chooser_picks_lfu_on_a_loop_longer_than_the_pool():
-    chooser = PolicyChooser(20, GatedPolicy.CANDIDATES, _make_candidate)
+    chooser = PolicyChooser(20, SimulatedPolicy.CANDIDATES, _make_candidate)
     assert chooser.rate == 1 and chooser.capacity == 20
     changes = [tick for tick, blocks in enumerate(_cycle(30, 40)) if chooser.observe(blocks, tick)]
-    assert GatedPolicy.CANDIDATES[chooser.best] == "lfu"
+    assert SimulatedPolicy.CANDIDATES[chooser.best] == "lfu"
     assert changes, "it left the adaptive order"
-    lfu = GatedPolicy.CANDIDATES.index("lfu")
+    lfu = SimulatedPolicy.CANDIDATES.index("lfu")
     assert chooser.hits[lfu] > 1.5 * max(h for i, h in enumerate(chooser.hits) if i != lfu)
     for cache in chooser.caches:
         _check_tree(cache)
 
 
 def test_the_chooser_samples_every_rate_th_block_of_a_chain_from_its_roots_offset():
-    chooser = PolicyChooser(4 * PolicyChooser.MINI_BLOCKS, GatedPolicy.CANDIDATES, _make_candidate)
+    chooser = PolicyChooser(4 * PolicyChooser.MINI_BLOCKS, SimulatedPolicy.CANDIDATES, _make_candidate)
     assert chooser.rate == 4 and chooser.capacity == PolicyChooser.MINI_BLOCKS
     blocks = _chain("a", 10)
     sampled = chooser.sample(blocks)
