@@ -7,12 +7,12 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
 
-from blockd.config import BlockdConfig, DirectoryConfig, TlsConfig
+from blockd.config import EVENT_LOOPS, BlockdConfig, DirectoryConfig, TlsConfig
 from blockd.eviction import POLICY_NAMES
 from blockd.logs import configure_logging
 
@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: console on a terminal, JSON otherwise [BLOCKD_LOG_FORMAT; auto]",
     )
     parser.add_argument(
+        "--loop",
+        choices=EVENT_LOOPS,
+        default=_env("LOOP", "auto"),
+        help="event loop; auto: uvloop when installed [BLOCKD_LOOP; auto]",
+    )
+    parser.add_argument(
         "--tls-cert",
         type=Path,
         default=_env("TLS_CERT"),
@@ -208,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         log_format=args.log_format,
+        event_loop=args.loop,
         tls=tls,
         shutdown_grace_seconds=args.shutdown_grace,
         directory=directory,
@@ -232,10 +239,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from blockd.server import serve  # after logging is configured; keeps --help fast
 
     try:
-        return asyncio.run(serve(config))
+        with asyncio.Runner(loop_factory=_event_loop(config.event_loop)) as runner:
+            return runner.run(serve(config))
     except RuntimeError as exc:  # e.g. the address is taken
         structlog.get_logger("blockd").error("cannot serve", error=str(exc))
         return 1
+
+
+def _event_loop(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The factory of `--loop`'s event loop; None: asyncio's own."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise SystemExit("blockd: --loop uvloop needs the uvloop package") from None
+        return None  # auto, without uvloop
+    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

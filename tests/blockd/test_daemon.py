@@ -50,6 +50,7 @@ def test_help_lists_the_flags():
         "--ready-file",
         "--metrics-port",
         "--log-format",
+        "--loop",
         "--tls-cert",
         "--tls-key",
         "--tls-client-ca",
@@ -72,11 +73,29 @@ def test_help_lists_the_flags():
         (["--listen", "nonsense"], "HOST:PORT"),
         (["--tls-cert", "/nonexistent.pem"], "--tls-key"),
         (["--eviction-policy", "random"], "invalid choice"),
+        (["--loop", "libev"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(args, message):
     result = run_blockd(*args)
     assert result.returncode == 2 and message in result.stderr
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_either_event_loop_serves_steps_and_drains_on_sigterm(tmp_path, loop):
+    """`--loop`: asyncio's loop and uvloop's (auto's choice when installed) serve alike."""
+    daemon = start_blockd(tmp_path, "--loop", loop)
+    try:
+        with grpc.insecure_channel(daemon.address) as channel:
+            workers = pb_grpc.BlockDirectoryServiceStub(channel)
+            pool = workers.RegisterPool(pb.RegisterPoolRequest(num_blocks=16, block_size=4), timeout=5)
+            request = pb.StepRequest(
+                pool_id=pool.pool_id, epoch=pool.epoch, admits=[pb.AdmitOp(sequence_id=1, token_ids=[1] * 9)]
+            )
+            replies = list(workers.StepStream(iter([pb.StepStreamRequest(step=request)]), timeout=5))
+            assert [len(r.step.admits[0].block_ids) for r in replies] == [3]
+    finally:
+        assert daemon.stop(signal.SIGTERM) == 0
 
 
 def test_daemon_serves_health_reflection_and_stops_cleanly_on_sigterm(tmp_path):

@@ -562,6 +562,47 @@ class LfudaDirectoryMachine(DirectoryMachine):
     policy = "lfuda"
 
 
+class SimulatedDirectoryMachine(DirectoryMachine):
+    """The opt-in policy chooser (adaptive-sim): its switches re-key the evictable heap."""
+
+    policy = "adaptive-sim"
+
+
+def _switch_at_every_release(machine: DirectoryMachine) -> None:
+    """Make the machine's adaptive-sim policy move on to the next candidate at every
+    release it is shown, so the pool re-keys its evictable heap again and again (a real
+    switch is rare: a 12-block pool's miniature simulations seldom disagree)."""
+    policy = machine.directory._slots[machine.pool_id].pool.leaves.policy
+    if "observe" in vars(policy):
+        return
+
+    def observe(blocks, tick, num_blocks) -> bool:
+        policy._mode = (policy._mode + 1) % len(policy.CANDIDATES)
+        return True
+
+    policy.observe = observe
+
+
+class SimulatedSwitchingMachine(DirectoryMachine):
+    """adaptive-sim, its order switched at every release (`_switch_at_every_release`)."""
+
+    policy = "adaptive-sim"
+
+    def step(self, **ops):
+        _switch_at_every_release(self)
+        return super().step(**ops)
+
+
+class SimulatedTieredCollidingMachine(TieredCollidingMachine):
+    """The same with a host tier under collisions: demotions follow each order in turn."""
+
+    policy = "adaptive-sim"
+
+    def step(self, **ops):
+        _switch_at_every_release(self)
+        return super().step(**ops)
+
+
 _fast = settings(
     max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -589,6 +630,9 @@ TestTieredCollidingMachine = _test_case(TieredCollidingMachine, _fast)
 TestTieredBlindMachine = _test_case(TieredBlindMachine, _fast)
 TestLruSeenTwiceDirectoryMachine = _test_case(LruSeenTwiceDirectoryMachine, _fast)
 TestLfudaDirectoryMachine = _test_case(LfudaDirectoryMachine, _fast)
+TestSimulatedDirectoryMachine = _test_case(SimulatedDirectoryMachine, _fast)
+TestSimulatedSwitchingMachine = _test_case(SimulatedSwitchingMachine, _fast)
+TestSimulatedTieredCollidingMachine = _test_case(SimulatedTieredCollidingMachine, _fast)
 TestSharedTierMachine = _test_case(SharedTierMachine, _fast)
 TestSharedTierSeenTwiceMachine = _test_case(SharedTierSeenTwiceMachine, _fast)
 TestSharedTierCollidingMachine = _test_case(SharedTierCollidingMachine, _fast)
