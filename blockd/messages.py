@@ -128,6 +128,7 @@ def shared_block_to(block: SharedBlock) -> pb.SharedBlock:
         token_ids=tokens_of(block.token_bytes),
         salt_digest=block.salt_digest or b"",
         block_index=block.depth,
+        chain_digest=block.chain_digest,
     )
 
 

@@ -3,8 +3,10 @@
 Workers write and read the values (computed.shared_store); blockd only reads their
 headers back when it starts (its index of the store is rebuilt from them, so a
 restarted fleet starts warm) and deletes keys a Flush dropped. The value format is the
-contract's (directory.proto, SharedBlock): this module reads the header fields it
-needs and checks the magic and version; anything else is skipped.
+contract's (directory.proto, SharedBlock; `kvcache_contract.shared_value`): this module
+reads the header fields it needs and checks the magic and version; anything else is
+skipped. Whether a record read back joins the index is `SharedIndex.load`'s to decide
+(its chain digest must chain from its parent's).
 
 Keys: `kvcache:{namespace seed hex}:{block hash hex}`; writers use temporary keys
 outside that pattern (`kvcache-tmp:...`), renamed onto the key once complete, so a
@@ -15,27 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from blockd.hashing import TOKEN_BYTES
 from blockd.shared_tier import SharedRecord
 from blockd.types import BlockHash
+from kvcache_contract.shared_value import HAS_PARENT, HEADER, MAGIC, SALTED, TOKEN_BYTES, VERSION
 
 log = structlog.get_logger("blockd.shared_store")
 
 PASSWORD_ENV = "KVCACHE_SHARED_TIER_PASSWORD"
 KEY_PREFIX = "kvcache"
-MAGIC = b"KVCB"
-VERSION = 1
-# magic, version, flags, namespace seed, block hash, parent hash, salt digest, depth,
-# num_layers, num_kv_heads, head_dim, block_size, K/V byte count, dtype name
-HEADER = struct.Struct("<4sHH16s16s16s16sIIIIIQ16s")
-HAS_PARENT = 1
-SALTED = 2
 SCAN_COUNT = 1000
 DELETE_BATCH = 1000
 
@@ -80,7 +74,7 @@ def parse_header(value: bytes) -> tuple[bytes, SharedRecord, int] | None:
         return None
     fields = HEADER.unpack_from(value)
     magic, version, flags, seed, block_hash, parent_hash, digest, depth = fields[:8]
-    block_size = fields[11]
+    block_size, chain = fields[11], fields[14]
     if magic != MAGIC or version != VERSION or not 1 <= block_size <= 1024:
         return None
     record = SharedRecord(
@@ -89,6 +83,7 @@ def parse_header(value: bytes) -> tuple[bytes, SharedRecord, int] | None:
         b"",
         digest if flags & SALTED else None,
         depth,
+        chain,
     )
     return seed, record, block_size
 
@@ -136,7 +131,12 @@ class SharedStoreAdmin:
             if not isinstance(token_bytes, bytes) or len(token_bytes) != block_size * TOKEN_BYTES:
                 continue
             complete = SharedRecord(
-                record.block_hash, record.parent_hash, token_bytes, record.salt_digest, record.depth
+                record.block_hash,
+                record.parent_hash,
+                token_bytes,
+                record.salt_digest,
+                record.depth,
+                record.chain_digest,
             )
             found.setdefault(seed, []).append(complete)
 

@@ -21,7 +21,10 @@ Residency, in order ("findable only after its bytes are completely there"):
 Identity (what a hit compares): the parent record and `identity`, which is the block's
 tokens, preceded for the salted block by a one-way digest of its salt tag (the store
 never holds a salt, and blockd rebuilds records from the store). Equal hashes alone
-never decide.
+never decide. `chain_digest` names a record's whole chain (its parent's chain digest
+and its identity, `kvcache_contract.shared_value.chain_digest`): computed from the
+verified parent record when blockd asks for a write, written into the value's header,
+and checked when a rebuild links a value under the one its parent hash names.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from blockd.hashing import BlockHasher, block_width
 from blockd.prompt import Prompt
 from blockd.types import BlockHash, PoolId
+from kvcache_contract.shared_value import chain_digest
 
 SALT_DIGEST_BYTES = 16
 
@@ -72,6 +76,7 @@ class SharedCounters:
 class SharedRecord:
     __slots__ = (
         "block_hash",
+        "chain_digest",
         "chain_salt_digest",
         "children",
         "depth",
@@ -90,7 +95,10 @@ class SharedRecord:
         token_bytes: bytes,
         salt_digest: bytes | None,
         depth: int,
+        chain: bytes,
     ) -> None:
+        """`chain`: the record's chain digest (`chain_of` for a record blockd makes; what
+        the value's header says for one read back from the store)."""
         self.block_hash = block_hash
         self.parent_hash = parent_hash
         self.token_bytes = token_bytes
@@ -101,6 +109,14 @@ class SharedRecord:
         self.children: list[SharedRecord] = []
         self.is_resident = False
         self.chain_salt_digest: bytes | None = salt_digest
+        self.chain_digest = chain
+
+
+def chain_of(parent: SharedRecord | None, token_bytes: bytes, salt_digest: bytes | None) -> bytes:
+    """The chain digest of a block with these tokens and salt digest under `parent`."""
+    return chain_digest(
+        parent.chain_digest if parent is not None else None, make_identity(token_bytes, salt_digest)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,9 +275,12 @@ class SharedIndex:
         return self.drop([r.block_hash for r in sorted(matching, key=lambda r: r.depth)])
 
     def load(self, records: Iterable[SharedRecord]) -> tuple[int, list[SharedRecord]]:
-        """Records read back from the store (a rebuild): linked by parent hash, parent
-        first; a record whose parent is not resident is left out. Answers how many
-        became resident, and the records the index forgot to stay within its bound."""
+        """Records read back from the store (a rebuild), parent first: each is linked
+        under the resident record its parent hash names only when its chain digest is
+        that record's chained with its own identity (under a collision the record there
+        is another chain's); a record whose parent is not resident, or whose digest does
+        not chain, is left out (a miss, never wrong K/V). Answers how many became
+        resident, and the records the index forgot to stay within its bound."""
         num = 0
         for record in sorted(records, key=lambda r: r.depth):
             if record.block_hash in self.index:
@@ -272,6 +291,10 @@ class SharedIndex:
                 if parent is None or parent.depth != record.depth - 1:
                     continue
             elif record.depth != 0:
+                continue
+            if record.chain_digest != chain_digest(
+                parent.chain_digest if parent is not None else None, record.identity
+            ):
                 continue
             self.pending.pop(record.block_hash, None)
             self._place(record, parent)

@@ -182,6 +182,7 @@ class SharedBlock:
     token_bytes: bytes
     salt_digest: bytes | None
     depth: int
+    chain_digest: bytes  # of the block's whole chain (kvcache_contract.shared_value)
 
 
 @dataclass(frozen=True, slots=True)

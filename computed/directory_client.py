@@ -36,6 +36,7 @@ from kvcache.v1 import cache_policy_pb2
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
 from kvcache_contract.block_hash import token_bytes
+from kvcache_contract.shared_value import NO_DIGEST
 
 CACHE_POLICIES = {
     "store": cache_policy_pb2.CACHE_POLICY_STORE,
@@ -325,4 +326,5 @@ def _stored_block(msg: pb.SharedBlock) -> StoredBlock:
         tuple(msg.token_ids),
         msg.salt_digest or None,
         msg.block_index,
+        msg.chain_digest or NO_DIGEST,
     )

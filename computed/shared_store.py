@@ -4,8 +4,9 @@ Key: `kvcache:{namespace seed hex}:{block hash hex}` (blockd's chained hash carr
 the namespace and, from its salted block on, the tenant's salt). Value: a header, the
 block's tokens, then its K/V bytes in the pool's layout `(num_layers, 2, block_size,
 num_kv_heads, head_dim)`. A reader checks every header field against what it expects
-(namespace, hash, parent, salt digest, tokens, layout, dtype, block size, length):
-any mismatch, a short value or no value is a miss, never wrong K/V.
+(namespace, hash, parent, salt digest, chain digest, tokens, layout, dtype, block size,
+length): any mismatch, a short value or no value is a miss, never wrong K/V. The value
+format is the contract's (`kvcache_contract.shared_value`).
 
 Writes go under a temporary key (outside the `kvcache:*` pattern blockd scans) and
 are renamed onto the key, so a worker killed mid-write leaves nothing findable.
@@ -27,18 +28,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from kvcache_contract.shared_value import HAS_PARENT, HEADER, MAGIC, SALTED, VERSION
+
 log = structlog.get_logger("computed.shared_store")
 
 PASSWORD_ENV = "KVCACHE_SHARED_TIER_PASSWORD"
 KEY_PREFIX = "kvcache"
 TMP_PREFIX = "kvcache-tmp"
-MAGIC = b"KVCB"
-VERSION = 1
-# magic, version, flags, namespace seed, block hash, parent hash, salt digest, depth,
-# num_layers, num_kv_heads, head_dim, block_size, K/V byte count, dtype name
-HEADER = struct.Struct("<4sHH16s16s16s16sIIIIIQ16s")
-HAS_PARENT = 1
-SALTED = 2
 TOKEN = struct.Struct("<I")
 # A temporary key left by a writer that died between SET and RENAME goes by itself.
 TMP_TTL_MS = 60_000
@@ -70,6 +66,7 @@ class StoredBlock:
     token_ids: tuple[int, ...]
     salt_digest: bytes | None
     depth: int
+    chain_digest: bytes  # of the block's whole chain, as blockd computed it (zeros: blockd sent none)
 
 
 def block_key(namespace: bytes, block_hash: bytes) -> str:
@@ -105,6 +102,7 @@ def _header_fields(namespace: bytes, block: StoredBlock, layout: Layout) -> tupl
         layout.block_size,
         layout.kv_nbytes,
         layout.dtype.encode().ljust(16, b"\0"),
+        block.chain_digest,
     )
 
 

@@ -18,7 +18,7 @@ from blockd.block import Block, Sequence
 from blockd.events import EventKind
 from blockd.hashing import salt_tag
 from blockd.prompt import Prompt
-from blockd.shared_tier import SharedIndex, SharedRecord, make_identity, salt_digest_of
+from blockd.shared_tier import SharedIndex, SharedRecord, chain_of, make_identity, salt_digest_of
 from blockd.tiers.base import NO_WORK, LowerTier, TierReports, TierSetup, TierWork
 from blockd.types import BlockHash, BlockId, PoolId, SharedBlock, Tier
 
@@ -73,6 +73,7 @@ class SharedLevel(LowerTier):
                 record.token_bytes,
                 record.salt_digest,
                 record.depth,
+                record.chain_digest,
             )
             for block_id, record in zip(block_ids, hits)
         )
@@ -129,12 +130,14 @@ class SharedLevel(LowerTier):
                 parent_record = records.get(id(parent)) or self._record_of(parent)
                 if parent_record is None:
                     continue  # its parent is not (or under its hash, another chain is) stored
+            salt_digest = _salt_digest(block)
             record = SharedRecord(
                 block.block_hash,
                 parent.block_hash if parent is not None else None,
                 block.token_bytes,
-                _salt_digest(block),
+                salt_digest,
                 block.depth,
+                chain_of(parent_record, block.token_bytes, salt_digest),
             )
             shared.add_pending(record, self.pool_id, parent_record)
             records[id(block)] = record
@@ -146,6 +149,7 @@ class SharedLevel(LowerTier):
                     record.token_bytes,
                     record.salt_digest,
                     record.depth,
+                    record.chain_digest,
                 )
             )
 

@@ -176,20 +176,22 @@ class AdmitResult(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., admitted: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., shared_loads: _Optional[_Iterable[_Union[SharedBlock, _Mapping]]] = ...) -> None: ...
 
 class SharedBlock(_message.Message):
-    __slots__ = ("block_id", "block_hash", "parent_hash", "token_ids", "salt_digest", "block_index")
+    __slots__ = ("block_id", "block_hash", "parent_hash", "token_ids", "salt_digest", "block_index", "chain_digest")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SALT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     block_hash: bytes
     parent_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     salt_digest: bytes
     block_index: int
-    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., salt_digest: _Optional[bytes] = ..., block_index: _Optional[int] = ...) -> None: ...
+    chain_digest: bytes
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., salt_digest: _Optional[bytes] = ..., block_index: _Optional[int] = ..., chain_digest: _Optional[bytes] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("block_id", "host_block_id")

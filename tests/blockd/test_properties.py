@@ -437,7 +437,14 @@ class BlindDirectoryMachine(DirectoryMachine):
 
 def _header(block) -> tuple:
     """What a shared tier value's header says, as the worker checks it."""
-    return (block.block_hash, block.parent_hash, block.token_bytes, block.salt_digest, block.depth)
+    return (
+        block.block_hash,
+        block.parent_hash,
+        block.token_bytes,
+        block.salt_digest,
+        block.depth,
+        block.chain_digest,
+    )
 
 
 class SharedTierMachine(DirectoryMachine):
@@ -508,7 +515,14 @@ class SharedTierMachine(DirectoryMachine):
 
 
 def _header_of_record(record) -> tuple:
-    return (record.block_hash, record.parent_hash, record.token_bytes, record.salt_digest, record.depth)
+    return (
+        record.block_hash,
+        record.parent_hash,
+        record.token_bytes,
+        record.salt_digest,
+        record.depth,
+        record.chain_digest,
+    )
 
 
 class SharedTierSeenTwiceMachine(SharedTierMachine):

@@ -173,13 +173,42 @@ def test_a_fetch_estimated_slower_than_recompute_is_skipped():
 def test_a_rebuild_links_records_by_parent_and_leaves_orphans_out():
     a, _b = two_pools()
     stores = stored_on(a, 1, A)
-    records = [
-        SharedRecord(s.block_hash, s.parent_hash, s.token_bytes, s.salt_digest, s.depth) for s in stores
-    ]
+    records = [_read_back(s) for s in stores]
     fresh = harness(num_blocks=16, block_size=BS, host=SHARED)
     assert fresh.directory.load_shared(fresh.pool.seed, records[1:]) == 0  # no first block: orphans
     assert fresh.directory.load_shared(fresh.pool.seed, records) == 3
     assert fresh.directory.lookup(A)[0].num_shared_cached_tokens == 6
+
+
+def _read_back(stored) -> SharedRecord:
+    """The record a rebuild reads from the header a worker wrote for `stored`."""
+    return SharedRecord(
+        stored.block_hash,
+        stored.parent_hash,
+        stored.token_bytes,
+        stored.salt_digest,
+        stored.depth,
+        stored.chain_digest,
+    )
+
+
+def test_a_rebuild_never_links_a_value_under_another_chains_block_of_the_same_hash():
+    """A = [1, 2] [3, 4] [5, 6] and B = [7, 8] [3, 4] [9, 10] under a hash blind to the
+    parent: both middle blocks hash alike, so the store holds one value under that key
+    (A's here) and B's last block names it as its parent. Linked by that hash after a
+    restart, [9, 10]'s K/V (computed after [7, 8]) would serve A's prefix; its chain
+    digest does not chain from A's block, so it stays out."""
+    b_chain = [7, 8, 3, 4, 9, 10]
+    a_stores = stored_on(harness(num_blocks=16, block_size=BS, host=SHARED, hasher=BLIND), 1, A)
+    b_stores = stored_on(harness(num_blocks=16, block_size=BS, host=SHARED, hasher=BLIND), 1, b_chain)
+    assert a_stores[1].block_hash == b_stores[1].block_hash  # the collision
+    assert b_stores[2].parent_hash == a_stores[1].block_hash
+    fresh = harness(num_blocks=16, block_size=BS, host=SHARED, hasher=BLIND)
+    records = [_read_back(s) for s in (*a_stores, b_stores[0], b_stores[2])]
+    assert fresh.directory.load_shared(fresh.pool.seed, records) == 4  # B's last block left out
+    assert fresh.directory.lookup([1, 2, 3, 4, 9, 10])[0].num_shared_cached_tokens == 4
+    assert fresh.directory.lookup(A)[0].num_shared_cached_tokens == 6
+    assert fresh.directory.lookup(b_chain)[0].num_shared_cached_tokens == 2
 
 
 def test_a_reset_pool_forgets_its_writes_in_flight():

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(valkey_server_binary() is None, reason="no valke
 
 NS = bytes(range(16))
 LAYOUT = Layout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype="float32", itemsize=4)
-ROOT = StoredBlock(3, b"h" * 16, None, (7, 8), None, 0)
-CHILD = StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), b"s" * 16, 1)
+ROOT = StoredBlock(3, b"h" * 16, None, (7, 8), None, 0, b"r" * 16)
+CHILD = StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), b"s" * 16, 1, b"d" * 16)
 KV = bytes(i % 251 for i in range(LAYOUT.kv_nbytes))
 
 
@@ -38,10 +38,12 @@ def test_a_value_reads_back_only_under_the_header_it_was_written_with():
     assert decode(value, NS, CHILD, other) is None  # another dtype
     assert decode(value, NS, ROOT, LAYOUT) is None  # another block
     for changed in (
-        StoredBlock(4, b"c" * 16, b"x" * 16, (9, 10), b"s" * 16, 1),  # another parent
-        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 11), b"s" * 16, 1),  # other tokens
-        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), None, 1),  # unsalted
-        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), b"s" * 16, 2),  # another depth
+        StoredBlock(4, b"c" * 16, b"x" * 16, (9, 10), b"s" * 16, 1, b"d" * 16),  # another parent
+        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 11), b"s" * 16, 1, b"d" * 16),  # other tokens
+        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), None, 1, b"d" * 16),  # unsalted
+        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), b"s" * 16, 2, b"d" * 16),  # another depth
+        # the same block under another chain (a collision overwrote the value): a miss
+        StoredBlock(4, b"c" * 16, b"h" * 16, (9, 10), b"s" * 16, 1, b"e" * 16),
     ):
         assert decode(value, NS, changed, LAYOUT) is None
     assert decode(value[:-1], NS, CHILD, LAYOUT) is None  # short

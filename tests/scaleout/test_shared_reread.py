@@ -15,6 +15,7 @@ from computed.shared_store import Layout, SharedStore, StoredBlock, block_key, e
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
 from kvcache_contract.block_hash import block_hashes, namespace_seed, token_bytes
+from kvcache_contract.shared_value import chain_digest
 from tests.daemons import start_blockd
 
 pytestmark = pytest.mark.skipif(valkey_server_binary() is None, reason="no valkey-server binary")
@@ -29,10 +30,11 @@ def _write_as_another_shards_worker(url: str) -> int:
     """The chain of TOKENS' 5 blocks, in the store's value format, as a worker writes it."""
     seed = namespace_seed("m", "r", "float32", "", BLOCK)
     hashes = block_hashes(seed, token_bytes(TOKENS), BLOCK)
-    blocks = [
-        StoredBlock(i, h, hashes[i - 1] if i else None, tuple(TOKENS[i * BLOCK : (i + 1) * BLOCK]), None, i)
-        for i, h in enumerate(hashes)
-    ]
+    blocks, chain = [], None
+    for i, h in enumerate(hashes):
+        tokens = tuple(TOKENS[i * BLOCK : (i + 1) * BLOCK])
+        chain = chain_digest(chain, token_bytes(tokens))  # an unsalted block's identity: its tokens
+        blocks.append(StoredBlock(i, h, hashes[i - 1] if i else None, tokens, None, i, chain))
     kv = bytes(LAYOUT.kv_nbytes)
 
     async def write() -> list[bool]:
