@@ -26,7 +26,7 @@ from blockd.leases import PoolLeases, PoolSlot
 from blockd.pins import PinTable
 from blockd.pool import BlockPool, PoolCounters
 from blockd.routing import by_cached_prefix, rank_for_route
-from blockd.shared_tier import SharedRecord, SharedTier, salt_digest_of
+from blockd.shared_tier import SharedRecord, SharedTier
 from blockd.sightings import Sightings
 from blockd.tiers.base import NO_REPORTS, TierReports
 from blockd.tiers.shared import removed_event
@@ -65,6 +65,7 @@ from blockd.validation import (
     plan_resync,
     plan_step,
 )
+from kvcache_contract.shared_value import salt_digest
 
 
 class BlockDirectory:
@@ -232,7 +233,7 @@ class BlockDirectory:
         if Tier.SHARED in tiers and seeds:
             # The shared tier is the namespace's, not one pool's: flushing it for a pool
             # flushes it for every pool of that namespace. Nothing there is referenced.
-            digest = salt_digest_of(salt_tag(cache_salt)) if cache_salt else None
+            digest = salt_digest(salt_tag(cache_salt)) if cache_salt else None
             counts = per_tier.setdefault(Tier.SHARED, [0, 0])
             for seed in seeds:
                 dropped = self.shared.index_for(seed).flush(digest)

@@ -29,7 +29,6 @@ and checked when a rebuild links a value under the one its parent hash names.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -38,27 +37,15 @@ from dataclasses import dataclass
 from blockd.hashing import BlockHasher, block_width
 from blockd.prompt import Prompt
 from blockd.types import BlockHash, PoolId
-from kvcache_contract.shared_value import chain_digest
-
-SALT_DIGEST_BYTES = 16
-
-
-def salt_digest_of(salt_tag: bytes) -> bytes:
-    """A one-way digest of a salt's tag: what the store keeps instead of the salt."""
-    return hashlib.blake2b(salt_tag, digest_size=SALT_DIGEST_BYTES).digest()
+from kvcache_contract.shared_value import chain_digest, identity, salt_digest
 
 
 def identity_of(payload: bytes, width: int) -> tuple[bytes, bytes | None]:
     """(identity, salt digest or None) of a block's hash payload (salt tag + tokens)."""
     if len(payload) == width:
         return payload, None
-    digest = salt_digest_of(payload[:-width])
-    return make_identity(payload[-width:], digest), digest
-
-
-def make_identity(token_bytes: bytes, salt_digest: bytes | None) -> bytes:
-    # Unambiguous: an unsalted identity is exactly `width` bytes long, a salted one longer.
-    return token_bytes if salt_digest is None else b"S" + salt_digest + token_bytes
+    digest = salt_digest(payload[:-width])
+    return identity(payload[-width:], digest), digest
 
 
 @dataclass
@@ -103,7 +90,7 @@ class SharedRecord:
         self.parent_hash = parent_hash
         self.token_bytes = token_bytes
         self.salt_digest = salt_digest
-        self.identity = make_identity(token_bytes, salt_digest)
+        self.identity = identity(token_bytes, salt_digest)
         self.depth = depth
         self.parent: SharedRecord | None = None
         self.children: list[SharedRecord] = []
@@ -115,7 +102,7 @@ class SharedRecord:
 def chain_of(parent: SharedRecord | None, token_bytes: bytes, salt_digest: bytes | None) -> bytes:
     """The chain digest of a block with these tokens and salt digest under `parent`."""
     return chain_digest(
-        parent.chain_digest if parent is not None else None, make_identity(token_bytes, salt_digest)
+        parent.chain_digest if parent is not None else None, identity(token_bytes, salt_digest)
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from kvcache_contract.block_hash import TOKEN_BYTES
+from kvcache_contract.block_hash import TOKEN_BYTES, salt_block_index, salt_tag
 
 __all__ = [
     "DIGEST_BYTES",
@@ -36,6 +36,9 @@ __all__ = [
     "TOKEN_BYTES",
     "VERSION",
     "chain_digest",
+    "chain_digests",
+    "identity",
+    "salt_digest",
 ]
 
 MAGIC = b"KVCB"
@@ -47,8 +50,35 @@ DIGEST_BYTES = 16
 NO_DIGEST = bytes(DIGEST_BYTES)
 
 
+def salt_digest(tag: bytes) -> bytes:
+    """A one-way digest of a salt's tag (`block_hash.salt_tag`): what a value's header and
+    blockd's records keep instead of the salt."""
+    return hashlib.blake2b(tag, digest_size=DIGEST_BYTES).digest()
+
+
+def identity(token_bytes: bytes, salt: bytes | None) -> bytes:
+    """What makes a block itself besides its chain: its tokens (as `token_bytes`), after
+    b"S" and its salt digest `salt` for the salted block. Unambiguous: an unsalted
+    identity is exactly 4 x block_size bytes long, a salted one longer."""
+    return token_bytes if salt is None else b"S" + salt + token_bytes
+
+
 def chain_digest(parent_chain: bytes | None, identity: bytes) -> bytes:
     """The chain digest of a block whose parent's chain digest is `parent_chain` (None
-    for a first block) and whose identity is `identity` (its tokens, preceded for the
-    salted block by its salt digest: blockd.shared_tier.make_identity)."""
+    for a first block) and whose identity is `identity`: blake2b-128 of the parent's
+    (16 zero bytes for a first block) followed by the identity."""
     return hashlib.blake2b((parent_chain or NO_DIGEST) + identity, digest_size=DIGEST_BYTES).digest()
+
+
+def chain_digests(data: bytes, block_size: int, salt: str = "", public_prefix_tokens: int = 0) -> list[bytes]:
+    """The chain digests of every full block of `data` (a `token_bytes` string), first
+    block first, the salt mixed into the block `block_hash` mixes it into."""
+    width = TOKEN_BYTES * block_size
+    salted = salt_block_index(salt, public_prefix_tokens, block_size)
+    chain: bytes | None = None
+    digests = []
+    for i in range(len(data) // width):
+        tokens = data[i * width : (i + 1) * width]
+        chain = chain_digest(chain, identity(tokens, salt_digest(salt_tag(salt)) if i == salted else None))
+        digests.append(chain)
+    return digests

@@ -4,7 +4,9 @@
 
 Each vector gives the inputs (namespace fields, block size, token ids, salt, public
 prefix) and the outputs an implementation must reproduce: the packed token bytes
-(the `token_bytes` wire fields), h_{-1} and every full block's hash, all in hex.
+(the `token_bytes` wire fields), h_{-1} and every full block's hash, all in hex; and the
+chain digest of every full block, which the shared tier's value headers carry
+(`shared_value.chain_digest`, SharedBlock.chain_digest).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from pathlib import Path
 
 from kvcache_contract.block_hash import block_hashes, namespace_seed, token_bytes
+from kvcache_contract.shared_value import chain_digests
 
 VECTORS_FILE = Path(__file__).with_name("block_hash_vectors.json")
 
@@ -54,6 +57,9 @@ def compute(case: dict) -> dict:
         "token_bytes": data.hex(),
         "seed": seed.hex(),
         "block_hashes": [h.hex() for h in hashes],
+        "chain_digests": [
+            d.hex() for d in chain_digests(data, case["block_size"], case["salt"], case["public"])
+        ],
     }
 
 
@@ -73,6 +79,8 @@ def main() -> None:
             "token_bytes": "token ids as uint32 little-endian, hex",
             "seed": "h_{-1}, hex",
             "block_hashes": "h_0 .. h_{n-1} of the full blocks, hex",
+            "chain_digests": "the shared tier's chain digest of each full block, hex "
+            "(kvcache_contract/shared_value.py)",
         },
         "vectors": [compute(case) for case in CASES],
     }

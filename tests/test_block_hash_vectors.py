@@ -4,11 +4,15 @@ and the gateway's mirror chain. A change to any of them that moves one hash fail
 
 from __future__ import annotations
 
+import hashlib
+from types import SimpleNamespace
+
 import pytest
 import xxhash
 
 from blockd.hashing import DEFAULT_HASHER
 from blockd.prompt import Prompt
+from blockd.shared_tier import chain_of, identity_of
 from blockd.types import Namespace
 from gateway.prefix_hash import PromptChain
 from kvcache_contract import block_hash as rule
@@ -56,6 +60,30 @@ def test_the_gateway_mirror_hashes_as_the_vectors_say(vector):
     assert data.hex() == vector["token_bytes"]
     chain = PromptChain(seed, data, vector["block_size"], vector["salt"], vector["public"])
     assert [chain.hash(i).hex() for i in range(chain.num_blocks)] == vector["block_hashes"]
+
+
+@pytest.mark.parametrize("vector", VECTORS, ids=_id)
+def test_blockd_chains_shared_records_as_the_vectors_say(vector):
+    """The chain digests blockd writes into the shared tier's headers (`chain_of`, from
+    each block's hash payload as an admission cuts it) are the published ones."""
+    prompt = Prompt(bytes.fromhex(vector["token_bytes"]), vector["salt"], vector["public"])
+    width = 4 * vector["block_size"]
+    parent, digests = None, []
+    for payload in prompt.payloads(vector["block_size"]):
+        block_identity, salt_digest = identity_of(payload, width)
+        record = SimpleNamespace(chain_digest=chain_of(parent, block_identity[-width:], salt_digest))
+        digests.append(record.chain_digest.hex())
+        parent = record
+    assert digests == vector["chain_digests"]
+
+
+def test_one_chain_digest_from_first_principles():
+    vector = VECTORS[0]  # unsalted, block size 4, tokens 0..9: two full blocks
+    block0 = b"".join(t.to_bytes(4, "little") for t in range(4))
+    block1 = b"".join(t.to_bytes(4, "little") for t in range(4, 8))
+    d0 = hashlib.blake2b(bytes(16) + block0, digest_size=16).digest()
+    d1 = hashlib.blake2b(d0 + block1, digest_size=16).digest()
+    assert vector["chain_digests"] == [d0.hex(), d1.hex()]
 
 
 def test_salts_ab_and_a_never_meet():

@@ -18,9 +18,10 @@ from blockd.block import Block, Sequence
 from blockd.events import EventKind
 from blockd.hashing import salt_tag
 from blockd.prompt import Prompt
-from blockd.shared_tier import SharedIndex, SharedRecord, chain_of, make_identity, salt_digest_of
+from blockd.shared_tier import SharedIndex, SharedRecord, chain_of
 from blockd.tiers.base import NO_WORK, LowerTier, TierReports, TierSetup, TierWork
 from blockd.types import BlockHash, BlockId, PoolId, SharedBlock, Tier
+from kvcache_contract.shared_value import identity, salt_digest
 
 
 class SharedLevel(LowerTier):
@@ -169,7 +170,7 @@ class SharedLevel(LowerTier):
                 record is None
                 or record.block_hash != node.block_hash
                 or record.depth != node.depth
-                or record.identity != make_identity(node.token_bytes, _salt_digest(node))
+                or record.identity != identity(node.token_bytes, _salt_digest(node))
             ):
                 return None
             node, record = node.parent, shared.parent_of(record)
@@ -178,7 +179,7 @@ class SharedLevel(LowerTier):
 
 def _salt_digest(block: Block) -> bytes | None:
     """What a shared record keeps of the block's salt: a one-way digest of its tag."""
-    return salt_digest_of(salt_tag(block.mixed_salt)) if block.mixed_salt is not None else None
+    return salt_digest(salt_tag(block.mixed_salt)) if block.mixed_salt is not None else None
 
 
 def removed_event(events, dropped: list[SharedRecord], pool_id: str = "") -> None:
