@@ -66,18 +66,7 @@ class SharedLevel(LowerTier):
     ) -> tuple[SharedBlock, ...]:
         self.counters.num_loads += len(hits)
         self.counters.hit_tokens += len(hits) * self.block_size
-        return tuple(
-            SharedBlock(
-                block_id,
-                record.block_hash,
-                record.parent_hash,
-                record.token_bytes,
-                record.salt_digest,
-                record.depth,
-                record.chain_digest,
-            )
-            for block_id, record in zip(block_ids, hits)
-        )
+        return tuple(_shared_block(block_id, record) for block_id, record in zip(block_ids, hits))
 
     def hits_seen(self, hits: list[Block]) -> None:
         # a hit may make a block worth keeping in the store
@@ -142,17 +131,7 @@ class SharedLevel(LowerTier):
             )
             shared.add_pending(record, self.pool_id, parent_record)
             records[id(block)] = record
-            self._stores.append(
-                SharedBlock(
-                    block.block_id,  # type: ignore[arg-type]
-                    record.block_hash,
-                    record.parent_hash,
-                    record.token_bytes,
-                    record.salt_digest,
-                    record.depth,
-                    record.chain_digest,
-                )
-            )
+            self._stores.append(_shared_block(block.block_id, record))  # type: ignore[arg-type]
 
     def _record_of(self, block: Block) -> SharedRecord | None:
         """The record, resident or pending, that holds this device block's chain: the one
@@ -175,6 +154,19 @@ class SharedLevel(LowerTier):
                 return None
             node, record = node.parent, shared.parent_of(record)
         return found if record is None else None
+
+
+def _shared_block(block_id: BlockId, record: SharedRecord) -> SharedBlock:
+    """What the worker is told of a record: the device block to copy, the header's fields."""
+    return SharedBlock(
+        block_id,
+        record.block_hash,
+        record.parent_hash,
+        record.token_bytes,
+        record.salt_digest,
+        record.depth,
+        record.chain_digest,
+    )
 
 
 def _salt_digest(block: Block) -> bytes | None:

@@ -519,24 +519,13 @@ class SharedTierMachine(DirectoryMachine):
             assert record.parent is None or shared.index.get(record.parent.block_hash) is record.parent
             assert record.depth == (0 if record.parent is None else record.parent.depth + 1)
             value = self.store.get(record.block_hash)
-            if value is not None and value[0] == _header_of_record(record):
+            if value is not None and value[0] == _header(record):
                 tokens, node = [], record
                 while node is not None:
                     tokens[:0] = list(memoryview(node.token_bytes).cast("I"))
                     node = node.parent
                 content = value[1]
                 assert content is not None and content[0] == tuple(tokens), "the store serves other content"
-
-
-def _header_of_record(record) -> tuple:
-    return (
-        record.block_hash,
-        record.parent_hash,
-        record.token_bytes,
-        record.salt_digest,
-        record.depth,
-        record.chain_digest,
-    )
 
 
 class SharedTierSeenTwiceMachine(SharedTierMachine):
