@@ -24,9 +24,9 @@ COMPUTED2_ADDR ?= 127.0.0.1:50053
 GATEWAY_ADDR ?= 127.0.0.1:8000
 PYTEST_ARGS ?=
 
-.PHONY: install torch proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
+.PHONY: install native test-native torch proto proto-check test test-slow lint format bench bench-quick bench-peer bench-gateway up up2 down demo clean
 
-install: $(VENV)/.installed $(VENV)/.kernels
+install: $(VENV)/.installed $(VENV)/.kernels $(VENV)/.native
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,13 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.kernels: $(VENV)/.installed $(wildcard computed/kernels/*.cpp computed/kernels/*.h)
 	$(BIN)/python -m computed.kernels
 	touch $@
+
+# blockd's directory core compiled with mypyc (blockd/native.py); the daemon loads it when current.
+$(VENV)/.native: $(VENV)/.installed $(wildcard blockd/*.py)
+	$(BIN)/python -m blockd.native
+	touch $@
+
+native: $(VENV)/.native
 
 # Replace .venv's torch with TORCH_SPEC from TORCH_INDEX (e.g. a CUDA build).
 torch: $(VENV)/.installed
@@ -68,6 +75,11 @@ format: install
 test: install
 	$(BIN)/buf lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-native
+
+# The directory core's tests again, in process, on its compiled build (blockd/native.py).
+test-native: install
+	BLOCKD_NATIVE=on $(BIN)/python -m pytest -q tests/blockd $(PYTEST_ARGS)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -59,22 +60,37 @@ STREAM_METHOD = "/kvcache.v1.BlockDirectoryService/StepStream"
 SYSTEM_PROMPT = [random.Random(1).randrange(128_000) for _ in range(SHARED_PREFIX)]
 
 
-def start_blockd(workdir: Path, name: str = "blockd", tree: Path = REPO) -> tuple[subprocess.Popen, str]:
-    """A blockd run from `tree` (its own blockd package and generated code)."""
+def start_blockd(
+    workdir: Path, name: str = "blockd", tree: Path = REPO, native: str | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A blockd run from `tree` (its own blockd package and generated code); `native`:
+    its BLOCKD_NATIVE (blockd.native; None: the environment's, else auto)."""
     args = ["-m", "blockd", "--listen", "127.0.0.1:0", "--lease-ttl", "60", "--log-format", "json"]
-    return _start(workdir, name, args, tree)
+    env = None if native is None else {**os.environ, "BLOCKD_NATIVE": native}
+    return _start(workdir, name, args, tree, env)
+
+
+def is_compiled(workdir: Path, name: str = "blockd") -> bool:
+    """Whether that blockd runs the compiled directory core (its start-up log says)."""
+    for line in (workdir / f"{name}.log").read_text().splitlines():
+        if '"directory core"' in line:
+            return json.loads(line)["compiled"]
+    return False
 
 
 def start_echo(workdir: Path) -> tuple[subprocess.Popen, str]:
     return _start(workdir, "echo", ["-m", "bench.blockd_grpc", "--echo"])
 
 
-def _start(workdir: Path, name: str, args: list[str], tree: Path = REPO) -> tuple[subprocess.Popen, str]:
+def _start(
+    workdir: Path, name: str, args: list[str], tree: Path = REPO, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     ready = workdir / f"{name}.ready"
     with open(workdir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             [sys.executable, *args, "--ready-file", str(ready)],
             cwd=tree,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -352,7 +368,15 @@ def _ms(latencies: list[float], percentile: int) -> float:
     return round(statistics.quantiles(latencies, n=100)[percentile - 1] * 1e3, 2)
 
 
-async def run(address: str, echo_address: str, seconds: float) -> dict:
+async def run(address: str, echo_address: str, seconds: float, pure_address: str | None = None) -> dict:
+    # The directory core compiled (`address`) against pure (`pure_address`), side by side,
+    # interleaved in both orders (the machine is shared; the first of a turn is favoured).
+    builds: dict[str, list[float]] = {"compiled": [], "pure": []}
+    if pure_address is not None:
+        for order in (("compiled", "pure"), ("pure", "compiled")):
+            for build in order:
+                target = address if build == "compiled" else pure_address
+                builds[build].append((await _batched(target, seconds / 2, None))[0])
     # The wire forms side by side, interleaved (the machine is shared): varint, packed, twice.
     rates: dict[str, list[float]] = {wire: [] for wire in WIRES}
     for _ in range(2):
@@ -386,6 +410,17 @@ async def run(address: str, echo_address: str, seconds: float) -> dict:
         "open_loop_step_p99_ms": _ms(open_loop, 99),
         "naive_admissions_per_s": round(sum(naive) / naive_s, 2),
         "hit_rate_tokens": round(stats.total.hit_tokens / max(1, stats.total.queried_tokens), 3),
+        **(
+            {
+                "compiled_admissions_per_s": round(statistics.mean(builds["compiled"]), 1),
+                "pure_admissions_per_s": round(statistics.mean(builds["pure"]), 1),
+                "compiled_over_pure": round(
+                    statistics.mean(builds["compiled"]) / statistics.mean(builds["pure"]), 2
+                ),
+            }
+            if builds["pure"]
+            else {}
+        ),
     }
 
 
@@ -394,14 +429,21 @@ def main(quick: bool = False) -> dict:
     StepWriter.check()
     with tempfile.TemporaryDirectory() as workdir:
         proc, address = start_blockd(Path(workdir))
+        compiled = is_compiled(Path(workdir))
+        # The pure core beside it, where the compiled one runs (blockd.native)
+        pure, pure_address = start_blockd(Path(workdir), "pure", native="off") if compiled else (None, None)
         echo, echo_address = start_echo(Path(workdir))
         try:
-            figures = asyncio.run(run(address, echo_address, seconds))
+            figures = asyncio.run(run(address, echo_address, seconds, pure_address))
         finally:
             echo.terminate()
             echo.wait(30)
+            if pure is not None:
+                pure.terminate()
+                pure.wait(30)
             proc.terminate()
             exit_code = proc.wait(30)
+    figures["compiled_core"] = compiled
     figures["batched_over_naive"] = round(
         figures["batched_admissions_per_s"] / max(figures["naive_admissions_per_s"], 1e-9), 1
     )
@@ -429,6 +471,14 @@ def main(quick: bool = False) -> dict:
         f"{figures['packed_wire_admissions_per_s']} admissions/s, varint token_ids + commits with tokens "
         f"{figures['varint_wire_admissions_per_s']} (packed / varint = {figures['packed_over_varint']})"
     )
+    if "compiled_over_pure" in figures:
+        print(
+            f"  directory core, closed loop, interleaved: compiled {figures['compiled_admissions_per_s']} "
+            f"admissions/s, pure {figures['pure_admissions_per_s']} "
+            f"(compiled / pure = {figures['compiled_over_pure']})"
+        )
+    else:
+        print("  directory core: pure (no current compiled build: make native)")
     print(f"  naive (one Step per block): {figures['naive_admissions_per_s']} admissions/s")
     print(
         f"  batched / naive = {figures['batched_over_naive']}x; prefix hit rate {figures['hit_rate_tokens']}"

@@ -99,26 +99,25 @@ class KeyMemory:
         self._num_young = num_young
         self.num_added += len(block_hashes)
 
-    def __contains__(self, block_hash: object, _from_bytes=int.from_bytes, _patterns=_PATTERNS) -> bool:
-        # Runs once per committed block of a pool under pressure (GhostTable.recall): the
-        # globals bound as defaults, and no emptiness test (an empty memory's bytes are
-        # zero, and every pattern has bits set), 280 -> 220 ns a query (bench.blockd_inprocess).
-        x = _from_bytes(block_hash, "little")  # type: ignore[arg-type]
+    def __contains__(self, block_hash: object) -> bool:
+        # Runs once per committed block of a pool under pressure (GhostTable.recall); no
+        # emptiness test (an empty memory's bytes are zero, and every pattern has bits set).
+        # Hot callers ask `contains_many` (one call per commit run).
+        x = int.from_bytes(block_hash, "little")  # type: ignore[arg-type]
         i = x % self._num_bytes
-        pattern = _patterns[(x >> _PATTERN_SHIFT) & 63]
+        pattern = _PATTERNS[(x >> _PATTERN_SHIFT) & 63]
         return self._young[i] & pattern == pattern or self._old[i] & pattern == pattern
 
-    def contains_many(
-        self, block_hashes: list[BlockHash], _from_bytes=int.from_bytes, _patterns=_PATTERNS
-    ) -> list[bool]:
+    def contains_many(self, block_hashes: list[BlockHash]) -> list[bool]:
         """`hash in self` for each, in one call (a commit run's recall)."""
-        young, old, num_bytes = self._young, self._old, self._num_bytes
-        answers = []
+        young, old, num_bytes, patterns = self._young, self._old, self._num_bytes, _PATTERNS
+        from_bytes = int.from_bytes
+        answers: list[bool] = []
         append = answers.append
         for block_hash in block_hashes:
-            x = _from_bytes(block_hash, "little")
+            x = from_bytes(block_hash, "little")
             i = x % num_bytes
-            pattern = _patterns[(x >> _PATTERN_SHIFT) & 63]
+            pattern = patterns[(x >> _PATTERN_SHIFT) & 63]
             append(young[i] & pattern == pattern or old[i] & pattern == pattern)
         return answers
 

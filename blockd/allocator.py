@@ -34,7 +34,7 @@ class FreeBlocks:
         del self._recycled[start:]
         missing = num - len(taken)
         if missing and not self._reserved:
-            taken.extend(range(self._next_fresh, self._next_fresh + missing))
+            taken.extend(range(self._next_fresh, self._next_fresh + missing))  # type: ignore[arg-type]
             self._next_fresh += missing
         while len(taken) < num:
             block_id = self._next_fresh

@@ -8,7 +8,27 @@ handful of list operations).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from blockd.types import BlockHash, BlockId, CachePolicy, HostBlockId, SequenceId
+
+
+class Hashed(Protocol):
+    """A cached block of any tier as a prefix walk reads it: a device or host `Block`, or a
+    shared tier's record (blockd.shared_tier)."""
+
+    block_hash: BlockHash
+
+
+class Ranked(Protocol):
+    """What an eviction policy may read of a block (`EvictionPolicy.priority`): a pool's
+    `Block`, or a miniature simulation's `MiniBlock` (blockd.minisim)."""
+
+    last_tick: int
+    num_seen: int
+    num_hits: int
+    retention: int
+    run_length: int
 
 
 class Block:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+from mypy_extensions import mypyc_attr
+
 from blockd import queries
 from blockd.config import DirectoryConfig
 from blockd.events import EventKind, EventLog
@@ -68,6 +70,7 @@ from blockd.validation import (
 from kvcache_contract.shared_value import salt_digest
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests wrap it (blockd.native)
 class BlockDirectory:
     """Every registered pool (live, or a tombstone after its lease lapsed), the pins
     over them, and one event log. Worker calls need the pool's current epoch."""
@@ -236,10 +239,10 @@ class BlockDirectory:
             digest = salt_digest(salt_tag(cache_salt)) if cache_salt else None
             counts = per_tier.setdefault(Tier.SHARED, [0, 0])
             for seed in seeds:
-                dropped = self.shared.index_for(seed).flush(digest)
-                counts[0] += len(dropped)
-                shared_keys += [(seed, record.block_hash) for record in dropped]
-                self._shared_removed(dropped)
+                records = self.shared.index_for(seed).flush(digest)
+                counts[0] += len(records)
+                shared_keys += [(seed, record.block_hash) for record in records]
+                self._shared_removed(records)
         rows = tuple((t, d, b) for t, (d, b) in sorted(per_tier.items(), key=lambda item: item[0].value))
         whole = tuple(seeds) if Tier.SHARED in tiers and not cache_salt else ()
         return FlushResult(sum(r[1] for r in rows), sum(r[2] for r in rows), rows, tuple(shared_keys), whole)

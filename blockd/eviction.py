@@ -39,18 +39,21 @@ import heapq
 import math
 from collections.abc import Callable
 from itertools import count
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
-from blockd.block import Block
+from mypy_extensions import mypyc_attr
+
+from blockd.block import Block, Ranked
 from blockd.minisim import PolicyChooser
 
-Priority = tuple[float, ...]
+# Compared element by element; each policy picks its shape (ticks and counts are ints).
+Priority = tuple[Any, ...]
 
 DEFAULT_RETENTION = 35  # TensorRT-LLM's default KV retention priority
 MAX_RETENTION = 100
 
 
-def retention_weight(block: Block) -> float:
+def retention_weight(block: Ranked) -> float:
     """The block's retention priority relative to the default: 1.0 when unset."""
     return (block.retention or DEFAULT_RETENTION) / DEFAULT_RETENTION
 
@@ -64,9 +67,12 @@ class EvictionPolicy(Protocol):
     (`BlockPool._drop_chain`). `evicted` is told each victim's priority, `returned` each
     ghost that came back (its remembered uses and run length)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The registry name (`POLICIES`), `SEEN_TWICE` appended for that rule."""
+        ...
 
-    def priority(self, block: Block) -> Priority: ...
+    def priority(self, block: Ranked) -> Priority: ...
 
     def evicted(self, priority: Priority) -> None: ...
 
@@ -81,15 +87,16 @@ class EvictionPolicy(Protocol):
     def returned(self, num_uses: int, run_length: int = 0) -> None: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class LruPolicy:
     """Least recently released first, lower retention priority before higher (a
     strict class order, as TensorRT-LLM's priority-based eviction). A release stamps
     one tick on the sequence's whole chain, so a parent is never newer than its
     children."""
 
-    name = "lru"
+    name: ClassVar[str] = "lru"
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         if block.retention:
             return (block.retention, block.last_tick)
         return (DEFAULT_RETENTION, block.last_tick)
@@ -104,13 +111,14 @@ class LruPolicy:
         pass
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class LfuPolicy:
     """Fewest verified hits first (scaled by retention), least recently released among
     equals. No aging: a block hot long ago outlives a block hot now."""
 
-    name = "lfu"
+    name: ClassVar[str] = "lfu"
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         if block.retention:
             # uses (hits + the commit) scaled, on the scale of hits
             return ((block.num_hits + 1) * retention_weight(block) - 1, block.last_tick)
@@ -126,6 +134,7 @@ class LfuPolicy:
         pass
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class LfuDaPolicy:
     """LFU with dynamic aging (Arlitt et al., LFU-DA; GDSF with equal sizes and costs):
     a block's value is `age + uses × weight`, where `age` is the value of the last
@@ -139,12 +148,12 @@ class LfuDaPolicy:
     least the age it was computed with), so priorities of old entries stay comparable
     with new ones: O(1) per priority, no re-keying."""
 
-    name = "lfuda"
+    name: ClassVar[str] = "lfuda"
 
     def __init__(self) -> None:
         self.age = 0.0
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         uses = block.num_seen + block.num_hits
         if block.retention:
             return (self.age + uses * retention_weight(block), block.last_tick)
@@ -162,6 +171,7 @@ class LfuDaPolicy:
         pass
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class AdaptivePolicy:
     """LRU, plus a frequency bonus only where frequency has been seen to predict reuse.
 
@@ -215,21 +225,21 @@ class AdaptivePolicy:
     Entries already in the heap keep the bonus they were pushed with: they are
     comparable with new ones because both are times."""
 
-    name = "adaptive-ungated"
-    NUM_CLASSES = 5  # uses 1, 2, 3, 4, 5+
-    NUM_RUNS = 8  # run-length classes of one-use blocks: 0 (unknown), 1, 2-3, 4-7, ..., 64+
+    name: ClassVar[str] = "adaptive-ungated"
+    NUM_CLASSES: ClassVar[int] = 5  # uses 1, 2, 3, 4, 5+
+    NUM_RUNS: ClassVar[int] = 8  # run-length classes of one-use blocks: 0 (unknown), 1, 2-3, 4-7, ..., 64+
     # log2 ratio by which a run class's one-use victims must return less often than the
     # other one-use victims before it is aged, and more often before it earns a bonus (capped
     # at RUN_MAX_BONUS horizons): measured in the class docstring.
-    RUN_MARGIN = 1.0
-    RUN_BONUS_MARGIN = 0.25
-    RUN_MAX_BONUS = 2.0
-    DECAY = 1 - 1 / 20_000  # per eviction: the rates reflect the last ~20k evictions
-    PRIOR = 20.0  # pseudo-evictions per class at the one-use return rate
-    MARGIN = 0.5  # log2 ratio a class must pass before it earns a bonus (noise)
-    MAX_BONUS = 8.0  # horizons
-    HORIZON_WINDOW = 64  # one-use victims averaged into `horizon`
-    MIN_HORIZON = 16.0  # ticks: the unit of retention priority before a horizon is known
+    RUN_MARGIN: ClassVar[float] = 1.0
+    RUN_BONUS_MARGIN: ClassVar[float] = 0.25
+    RUN_MAX_BONUS: ClassVar[float] = 2.0
+    DECAY: ClassVar[float] = 1 - 1 / 20_000  # per eviction: the rates reflect the last ~20k evictions
+    PRIOR: ClassVar[float] = 20.0  # pseudo-evictions per class at the one-use return rate
+    MARGIN: ClassVar[float] = 0.5  # log2 ratio a class must pass before it earns a bonus (noise)
+    MAX_BONUS: ClassVar[float] = 8.0  # horizons
+    HORIZON_WINDOW: ClassVar[int] = 64  # one-use victims averaged into `horizon`
+    MIN_HORIZON: ClassVar[float] = 16.0  # ticks: the unit of retention priority before a horizon is known
     # Ticks: the least one horizon of frequency bonus is worth. In a small pool one-use
     # victims die within a release or two (few-shot at 2%: a horizon of 0.4 ticks), so a
     # bonus of a few horizons protected a hot block for less than one release and
@@ -237,21 +247,28 @@ class AdaptivePolicy:
     # 0.86 to 0.99 of the best other shipped policy on zipf at 2% and from 0.88 to 1.04 on
     # few-shot at 2% (64: 0.98 and 1.04), and kept >= 0.98x lru everywhere; 256 cost the
     # conversation trace at 5% 4% of lru's hits, 1024 21% (bench.eviction_quality).
-    MIN_UNIT = 128.0
+    MIN_UNIT: ClassVar[float] = 128.0
     # Evictions between recomputations of the bonus table when no block returns. Without
     # returns the table only drifts down (a class's rate loses at most REFRESH of its
     # >= PRIOR evictions' weight), and the next return recomputes it at once. Recomputed at
     # every eviction instead, the table took ~13% of blockd's time under
     # `python -m bench.blockd_grpc` (py-spy; an admission there evicts a 128-block chain,
     # and `takes_next` reads the table between evictions).
-    REFRESH = 64
-    RENORMALISE = 1e100
+    REFRESH: ClassVar[int] = 64
+    RENORMALISE: ClassVar[float] = 1e100
 
-    def __init__(self) -> None:
+    def __init__(self, rate: float = 1.0) -> None:
+        """`rate` > 1: the policy sees 1/`rate` of a pool's evictions (a miniature
+        simulation's, `_make_candidate`), so its window, prior and refresh span as many of
+        them and the same traffic."""
         self.now = 0  # the latest release tick seen
         self.horizon = 0.0
+        self.decay = self.DECAY if rate <= 1 else 1 - min(0.5, (1 - self.DECAY) * rate)
+        self.prior = self.PRIOR / max(1.0, rate)
+        self.horizon_window = max(1, round(self.HORIZON_WINDOW / max(1.0, rate)))
+        self.refresh = max(1, round(self.REFRESH / max(1.0, rate)))
         self._scale = 1.0  # DECAY^-n: the weight of an event now, in the counters' units
-        self._grow = 1 / self.DECAY
+        self._grow = 1 / self.decay
         self._evictions = [0.0] * self.NUM_CLASSES  # inflated by `_scale`
         self._returns = [0.0] * self.NUM_CLASSES
         self._bonus = [0.0] * self.NUM_CLASSES
@@ -280,7 +297,7 @@ class AdaptivePolicy:
             self._update()
         return self._bonus
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         uses = block.num_seen + block.num_hits
         tick = block.last_tick
         self.now = max(self.now, tick)
@@ -303,13 +320,13 @@ class AdaptivePolicy:
         if uses < 2:
             self._run_evictions[run] += scale
             self._evictions[0] += scale
-            self.horizon += (self.now - tick - self.horizon) / self.HORIZON_WINDOW
+            self.horizon += (self.now - tick - self.horizon) / self.horizon_window
         else:
             self._evictions[min(5, uses) - 1] += scale
         if scale > self.RENORMALISE:
             self._renormalise()
         self._since += 1
-        if self._since >= self.REFRESH:
+        if self._since >= self.refresh:
             self._stale = True
 
     def evicted_many(self, priority: Priority, num: int) -> None:
@@ -331,7 +348,7 @@ class AdaptivePolicy:
         if uses < 2:
             run_evictions = self._run_evictions
             total, in_run = evictions[0], run_evictions[run]
-            horizon, window, age = self.horizon, self.HORIZON_WINDOW, self.now - tick
+            horizon, window, age = self.horizon, self.horizon_window, self.now - tick
             for _ in range(num):  # `now` moves only in `priority`
                 scale *= grow
                 in_run += scale
@@ -343,7 +360,7 @@ class AdaptivePolicy:
             scale, evictions[cls] = _decayed_sum(scale, grow, evictions[cls], num)
         self._scale = scale
         self._since += num
-        if self._since >= self.REFRESH:
+        if self._since >= self.refresh:
             self._stale = True
 
     def returned(self, num_uses: int, run_length: int = 0) -> None:
@@ -368,7 +385,7 @@ class AdaptivePolicy:
         scale = self._scale
         returns, evictions = self._returns, self._evictions
         base = (returns[0] + scale) / (evictions[0] + 2 * scale)
-        prior, margin, cap = self.PRIOR * scale, self.MARGIN, self.MAX_BONUS
+        prior, margin, cap = self.prior * scale, self.MARGIN, self.MAX_BONUS
         self._bonus = [
             min(cap, max(0.0, math.log2((r + prior * base) / (e + prior) / base) - margin))
             for r, e in zip(returns, evictions)
@@ -392,6 +409,7 @@ class AdaptivePolicy:
         self._stale = False
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class GatedPolicy:
     """The default: `AdaptivePolicy` behind an admission gate whose strictness adapts.
 
@@ -453,21 +471,26 @@ class GatedPolicy:
     the gate recomputed after a return or every REFRESH evictions, when next read); heap
     entries keep the penalty they were pushed with (comparable: both are times)."""
 
-    name = "adaptive"
-    MAX_PENALTY = 64.0  # horizons (of the inner policy): a fully closed gate
-    MARGIN = 1.0  # log2: admitted victims must return 2x as often as probation ones to close it
+    name: ClassVar[str] = "adaptive"
+    MAX_PENALTY: ClassVar[float] = 64.0  # horizons (of the inner policy): a fully closed gate
+    MARGIN: ClassVar[float] = (
+        1.0  # log2: admitted victims must return 2x as often as probation ones to close it
+    )
     # Open at first: LRU-like (with the frequency bonus) until returns say otherwise. A gate
     # that starts half closed lost 3% to lru on the conversation trace at 25% (bench.eviction_quality),
     # where too few evictions happen to open it again.
-    INITIAL_GATE = 0.0
-    MIN_EVIDENCE = 20  # evictions before the gate moves (fewer: the rates are noise)
-    DECAY = 1 - 1 / 20_000  # victims and returns counted per side: the last ~20k evictions
+    INITIAL_GATE: ClassVar[float] = 0.0
+    MIN_EVIDENCE: ClassVar[int] = 20  # evictions before the gate moves (fewer: the rates are noise)
+    DECAY: ClassVar[float] = 1 - 1 / 20_000  # victims and returns counted per side: the last ~20k evictions
 
-    def __init__(self) -> None:
+    def __init__(self, rate: float = 1.0) -> None:
+        """`rate`: as AdaptivePolicy's (a miniature simulation's policy)."""
         # Its horizon stays one-use victims' age. Measured in admitted victims' lifetimes
         # instead, the frequency bonus won on zipf at 2% (0.79 -> 0.86 of the optimum) but
         # cost the agent trace at 25% 3.5% of lru's hits (bench.eviction_quality).
-        self.inner = AdaptivePolicy()
+        self.inner = AdaptivePolicy(rate)
+        self.decay = self.DECAY if rate <= 1 else 1 - min(0.5, (1 - self.DECAY) * rate)
+        self.min_evidence = max(1, round(self.MIN_EVIDENCE / max(1.0, rate)))
         self._gate = self.INITIAL_GATE  # horizons
         self._leader = self  # whose gate and horizon set the penalty (`follow`)
         # decayed victims and returns per side (on probation, admitted), in inflated units as
@@ -475,7 +498,7 @@ class GatedPolicy:
         self._victims = [0.0, 0.0]
         self._returns = [0.0, 0.0]
         self._scale = 1.0
-        self._grow = 1 / self.DECAY
+        self._grow = 1 / self.decay
         self._num_evictions = 0
         self._since = 0  # evictions since the gate was computed
         self._stale = False
@@ -519,7 +542,7 @@ class GatedPolicy:
         write rules outside the pool's eviction (a shared-tier write through)."""
         return block.num_seen + block.num_hits >= 2 or self._leader.gate == 0.0
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         value, tick, uses, run = self.inner.priority(block)
         if uses < 2:
             leader = self._leader
@@ -571,18 +594,19 @@ class GatedPolicy:
     def _regate(self) -> None:
         self._since = 0
         self._stale = False
-        if self._num_evictions < self.MIN_EVIDENCE:
+        if self._num_evictions < self.min_evidence:
             return
         scale = self._scale
         (on_probation, admitted), (probation_returns, admitted_returns) = self._victims, self._returns
         base = (probation_returns + admitted_returns + scale) / (on_probation + admitted + 2 * scale)
-        prior = self.inner.PRIOR * scale
+        prior = self.inner.prior * scale
         probation_rate = (probation_returns + prior * base) / (on_probation + prior)
         admitted_rate = (admitted_returns + prior * base) / (admitted + prior)
         gate = admitted_rate / probation_rate / 2**self.MARGIN - 1
         self._gate = min(self.MAX_PENALTY, max(0.0, gate))
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class SimulatedPolicy(GatedPolicy):
     """`adaptive` that follows whichever of its candidates (`CANDIDATES`: its own order,
     lfu's, lru+seen2's, lfuda's) miniature simulations say hits most on this pool's traffic
@@ -596,9 +620,9 @@ class SimulatedPolicy(GatedPolicy):
     from the victims whichever order chose them, and the order the pool follows starts
     as `adaptive`'s. Host tiers follow the device's gate, in the adaptive order."""
 
-    name = "adaptive-sim"
+    name: ClassVar[str] = "adaptive-sim"
     # The orders `priority` can give, by `_mode`: its own (adaptive's), lfu's, lru+seen2's, lfuda's.
-    CANDIDATES = ("adaptive", "lfu", "lru+seen2", "lfuda")
+    CANDIDATES: ClassVar[tuple[str, ...]] = ("adaptive", "lfu", "lru+seen2", "lfuda")
 
     def __init__(self) -> None:
         super().__init__()
@@ -606,7 +630,7 @@ class SimulatedPolicy(GatedPolicy):
         self._age = 0.0  # lfuda's: its victims' highest value while it is followed
         self._chooser: PolicyChooser | None = None
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         """The followed candidate's order, in adaptive's tuple shape (value, tick, uses, run)."""
         mode = self._mode
         if not mode:
@@ -663,18 +687,9 @@ def _make_candidate(name: str, rate: float) -> EvictionPolicy:
     the same traffic. Unscaled, at rate ~10 the simulated adaptive policy learned 10x
     slower and ranked below lru+seen2 on long-conversation and one-off at 2%, where the
     pool ranks it above (rate 1 ranked them as the pool does; bench.eviction_quality)."""
-    policy = make_policy(name)
-    if isinstance(policy, GatedPolicy) and rate > 1:
-        inner = policy.inner
-        inner.DECAY = 1 - min(0.5, (1 - AdaptivePolicy.DECAY) * rate)
-        inner._grow = 1 / inner.DECAY
-        inner.PRIOR = AdaptivePolicy.PRIOR / rate
-        inner.HORIZON_WINDOW = max(1, round(AdaptivePolicy.HORIZON_WINDOW / rate))
-        inner.REFRESH = max(1, round(AdaptivePolicy.REFRESH / rate))
-        policy.DECAY = 1 - min(0.5, (1 - GatedPolicy.DECAY) * rate)
-        policy._grow = 1 / policy.DECAY
-        policy.MIN_EVIDENCE = max(1, round(GatedPolicy.MIN_EVIDENCE / rate))
-    return policy
+    if name == GatedPolicy.name:
+        return GatedPolicy(rate)
+    return make_policy(name)
 
 
 def _decayed_sum(scale: float, grow: float, total: float, num: int) -> tuple[float, float]:
@@ -708,6 +723,7 @@ DEFAULT_POLICY = GatedPolicy.name  # measured: bench.eviction_quality (BENCHMARK
 SEEN_TWICE = "+seen2"  # suffix: the policy under the seen-twice admission rule (SeenTwice)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a user's policy may extend one (blockd.native)
 class SeenTwice:
     """The seen-twice admission rule over a policy, for one tier: a block used once
     (its commit, no hit, no remembered use) is on probation and evicted before any
@@ -719,7 +735,7 @@ class SeenTwice:
         self.inner = inner
         self.name = inner.name + SEEN_TWICE
 
-    def priority(self, block: Block) -> Priority:
+    def priority(self, block: Ranked) -> Priority:
         return (min(block.num_seen + block.num_hits, 2), *self.inner.priority(block))
 
     def evicted(self, priority: Priority) -> None:

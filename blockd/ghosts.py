@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ from blockd.prompt import Prompt
 from blockd.types import BlockHash
 
 if TYPE_CHECKING:
-    from blockd.block import Block
+    from blockd.block import Hashed
 
 
 class MissReason(enum.Enum):
@@ -195,7 +195,7 @@ class GhostTable:
             return [1 if known else 0 for known in self.keys.contains_many(missing)]
         known = iter(self.keys.contains_many(missing))
         on_return = self._on_return
-        uses = []
+        uses: list[int] = []
         append = uses.append
         for entry in entries:
             if entry is None:
@@ -225,7 +225,7 @@ class GhostTable:
 def classify_miss(
     prompt: Prompt,
     block_size: int,
-    hits: list[Block],
+    hits: Sequence[Hashed],
     seed: BlockHash,
     hasher: BlockHasher,
     index: Mapping[BlockHash, object],

@@ -146,7 +146,7 @@ class BlockHasher:
         found: list = []
         append = found.append
         for payload in payloads:
-            parent = digest(parent + payload)
+            parent = digest(parent + payload)  # type: ignore[assignment]  # a BlockHash: no call per block
             value = parent if lookup is None else lookup(parent)
             if value is None:
                 break

@@ -28,7 +28,7 @@ from itertools import count
 
 from blockd.allocator import FreeBlocks
 from blockd.block import Block
-from blockd.eviction import EvictionPolicy
+from blockd.eviction import EvictionPolicy, Priority
 from blockd.types import BlockHash, HostBlockId, HostSpec
 
 
@@ -50,7 +50,7 @@ class HostLeaves:
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._policy = policy
-        self._heap: list[tuple[tuple[int, ...], int, Block]] = []
+        self._heap: list[tuple[Priority, int, Block]] = []
         self._keys = count()
 
     def push(self, block: Block) -> None:

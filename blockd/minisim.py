@@ -29,7 +29,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import count
-from typing import Any
+from typing import Any, ClassVar
 
 from blockd.admission import KeyMemory
 from blockd.types import BlockHash
@@ -198,10 +198,10 @@ class PolicyChooser:
     # the adaptive default 0.955. A MARGIN of 0.03 instead of 0.01: 0.943 (an early wrong
     # choice held); hits halved every 128 x capacity instead of 32: 0.968; a switch that also
     # needs a lead over 2 x sqrt(the two counts): 0.959.
-    MINI_BLOCKS = 1024
-    HALF_LIFE_POOLS = 32  # hits halved every this many x capacity sampled blocks
-    MIN_EVICTIONS = 2  # x capacity, per simulation, before the choice moves
-    MARGIN = 0.01
+    MINI_BLOCKS: ClassVar[int] = 1024
+    HALF_LIFE_POOLS: ClassVar[int] = 32  # hits halved every this many x capacity sampled blocks
+    MIN_EVICTIONS: ClassVar[int] = 2  # x capacity, per simulation, before the choice moves
+    MARGIN: ClassVar[float] = 0.01
 
     def __init__(self, num_blocks: int, candidates: Sequence[str], make: Callable[[str, float], Any]) -> None:
         assert candidates, "at least one candidate"

@@ -24,11 +24,12 @@ Methods assume their arguments were validated (`blockd.validation`); they only
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from blockd.allocator import FreeBlocks
-from blockd.block import Block, Sequence
+from blockd.block import Block, Hashed, Sequence
 from blockd.events import EventKind, EventLog
 from blockd.eviction import EvictableLeaves, EvictionPolicy, GatedPolicy, Priority, SimulatedPolicy, admits
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable, Miss, MissReason, classify_miss
@@ -286,7 +287,8 @@ class BlockPool:
                 tier.hits_seen(hits)
         for tier, tier_hits in found:  # held before allocating, so no demotion can evict them
             tier.reserve(tier_hits)
-        block_ids = [block.block_id for block in hits]
+        # a device-resident block's id is never None (Block.block_id): no per-block cast
+        block_ids: list[BlockId] = [block.block_id for block in hits]  # type: ignore[misc]
         block_ids += self._allocate(num_missing)
         self._end_op()
         salt_block = prompt.salt_block(self.block_size)
@@ -734,12 +736,12 @@ class BlockPool:
             entry = leaves.pop_entry()
             assert entry is not None, "evictable count promised a leaf"
             priority, block = entry
-            dropped, leaf, priority = self._drop_chain(
+            dropped, leaf, leaf_priority = self._drop_chain(
                 block, num - len(evicted), leaves.first_priority(), priority
             )
             evicted += dropped
             if leaf is not None:
-                leaves.push(leaf, priority)
+                leaves.push(leaf, leaf_priority)
             if demote is not None:
                 demote(dropped)
         self.num_evictable -= num
@@ -747,7 +749,7 @@ class BlockPool:
         self.ghosts.remember(
             [(b.block_hash, b.num_seen + b.num_hits, b.run_length) for b in evicted], leaves.policy.name
         )
-        block_ids = [block.block_id for block in evicted]
+        block_ids: list[BlockId] = [block.block_id for block in evicted]  # type: ignore[misc]
         self._events.append(
             EventKind.REMOVED, self.pool_id, tuple([b.block_hash for b in evicted]), tuple(block_ids)
         )
@@ -780,7 +782,7 @@ class BlockPool:
         while True:
             indexed = index.pop(block.block_hash, None)
             assert indexed is block, f"{block} is not indexed"
-            del records[block.block_id]
+            del records[block.block_id]  # type: ignore[arg-type]
             block.is_cached = False
             block.heap_key = None
             dropped.append(block)
@@ -861,7 +863,7 @@ class BlockPool:
             tier.end_op()
 
     def explain(
-        self, prompt: Prompt, hits: list[Block], cache_policy: CachePolicy = CachePolicy.STORE
+        self, prompt: Prompt, hits: Seq[Hashed], cache_policy: CachePolicy = CachePolicy.STORE
     ) -> Miss:
         """Why the prompt's tokens after `hits` (its verified hits) are not cached."""
         if cache_policy is CachePolicy.NONE:
@@ -895,8 +897,10 @@ class BlockPool:
             if block.num_cached_children == 0:
                 self.leaves.push(block)
         else:
-            del self.blocks[block.block_id]
-            self.free.give_all([block.block_id])
+            block_id = block.block_id
+            assert block_id is not None, f"{block} is a device block"
+            del self.blocks[block_id]
+            self.free.give_all([block_id])
 
 
 def _recall_all(ghosts: GhostTable, hashes: list[BlockHash]) -> list[int]:

@@ -159,8 +159,8 @@ class SharedIndex:
                 break
             candidates.append(record)
         if len(candidates) == len(known):  # the chain may go on past the known blocks
-            parent = known[-1] if known else self.seed
-            candidates += self._hasher.walk(parent, payloads[len(known) :], lookup)
+            start = known[-1] if known else self.seed
+            candidates += self._hasher.walk(start, payloads[len(known) :], lookup)
         width = block_width(block_size)
         hits: list[SharedRecord] = []
         parent: SharedRecord | None = None

@@ -98,7 +98,7 @@ class HostLevel(LowerTier):
         sequence.loading = hits
         self.counters.num_loads += len(hits)
         self.counters.hit_tokens += len(hits) * self.block_size
-        return tuple(zip(block_ids, [block.host_block_id for block in hits]))  # type: ignore[arg-type]
+        return tuple(zip(block_ids, [block.host_block_id for block in hits]))  # type: ignore[arg-type,misc]
 
     # ------------------------------------------------------------ eviction
 

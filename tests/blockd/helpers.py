@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
+from blockd import native
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.hashing import DEFAULT_HASHER, BlockHasher
 from blockd.types import NO_HOST_TIER, AdmitOp, AdmitResult, CommitOp, HostSpec, Namespace, ReleaseOp
-from tests.blockd.invariants import FakeClock, check_invariants
+from tests.blockd.invariants import FakeClock, attributes, check_invariants
+
+__all__ = ["attributes", "patches_blockd"]
+
+# A test that replaces a method of a blockd class or instance to observe or steer it: the
+# compiled core (BLOCKD_NATIVE=on, blockd.native) does not allow that, and the pure run of
+# `make test` covers it.
+patches_blockd = pytest.mark.skipif(
+    native.is_enabled(), reason="replaces a method, which blockd's compiled classes do not allow"
+)
 
 NAMESPACE = Namespace("test-model", "rev-1", "float32", "")
 

@@ -10,6 +10,14 @@ from blockd.directory import BlockDirectory
 from blockd.hashing import TOKEN_BYTES, UNSALTED_TAG, salt_tag
 
 
+def attributes(obj: object) -> dict:
+    """An object's attributes by name: `vars(obj)`, or for a compiled blockd class (no
+    `__dict__`, blockd.native) the attributes mypyc lays out."""
+    if hasattr(obj, "__dict__"):
+        return dict(vars(obj))
+    return {name: getattr(obj, name) for name in type(obj).__mypyc_attrs__ if hasattr(obj, name)}
+
+
 class FakeClock:
     """Seconds that move only when a test says so."""
 
@@ -235,7 +243,7 @@ def snapshot(directory: BlockDirectory) -> tuple:
                 pool.num_referenced,
                 pool.num_pinned,
                 _host_snapshot(pool),
-                tuple(sorted(vars(pool.counters).items())),
+                tuple(sorted(attributes(pool.counters).items())),
             )
         )
     pins = tuple(

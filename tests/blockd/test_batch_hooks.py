@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from blockd.block import Block
 from blockd.eviction import POLICY_NAMES, AdaptivePolicy, EvictionPolicy, GatedPolicy, SeenTwice, make_policy
 from blockd.ghosts import FLUSH, NOT_STORED, GhostTable
+from tests.blockd.invariants import attributes
 
 # ---------------------------------------------------------------- evicted_many
 
@@ -27,7 +28,7 @@ def _state(policy: EvictionPolicy) -> dict:
     """Every attribute of the policy (and of the policies it wraps), floats exact."""
     if isinstance(policy, SeenTwice):
         return {"seen2": _state(policy.inner)}
-    state = {key: value for key, value in vars(policy).items() if key not in ("inner", "_leader")}
+    state = {key: value for key, value in attributes(policy).items() if key not in ("inner", "_leader")}
     if isinstance(policy, GatedPolicy):
         state["inner"] = _state(policy.inner)
     return state

@@ -12,7 +12,7 @@ from blockd.directory import BlockDirectory
 from blockd.events import EventKind
 from blockd.eviction import EvictableLeaves
 from blockd.types import AdmitOp, CommitOp, ReleaseOp
-from tests.blockd.helpers import NAMESPACE, harness
+from tests.blockd.helpers import NAMESPACE, harness, patches_blockd
 from tests.blockd.invariants import FakeClock, check_invariants, snapshot
 
 BLOCK_SIZE = 2
@@ -60,6 +60,7 @@ def _workload(directory: BlockDirectory, seed: int) -> list[tuple]:
     [(p, seed) for p in ("lru", "lfu") for seed in range(8)]
     + [(p, seed) for p in ("adaptive", "lfuda", "lru+seen2") for seed in range(4)],
 )
+@patches_blockd
 def test_chain_fast_path_evicts_what_the_heap_would(policy, seed, monkeypatch):
     config = DirectoryConfig(eviction_policy=policy, event_log_capacity=100_000, pin_budget=1.0)
     fast = BlockDirectory(config, clock=FakeClock())

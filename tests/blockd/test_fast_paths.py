@@ -9,7 +9,7 @@ import pytest
 from blockd.admission import KeyMemory
 from blockd.hashing import truncated_hasher
 from blockd.pool import BlockPool
-from tests.blockd.helpers import harness
+from tests.blockd.helpers import harness, patches_blockd
 
 
 def _scalar(memory: KeyMemory, keys: list[bytes]) -> None:
@@ -65,6 +65,7 @@ def test_a_commit_run_meeting_an_indexed_copy_stops_indexing_there():
     assert stats.num_evictable_blocks == 4
 
 
+@patches_blockd
 def test_commit_runs_with_colliding_hashes_keep_the_invariants(monkeypatch):
     """With 1-byte hashes many runs meet an indexed hash in their middle: the
     block-by-block path indexes the blocks before it and none after (each step checks

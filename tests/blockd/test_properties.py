@@ -37,8 +37,8 @@ from blockd.types import (
     Tier,
 )
 from blockd.validation import make_prompt
-from tests.blockd.helpers import NAMESPACE
-from tests.blockd.invariants import FakeClock, check_invariants, holders_of, snapshot
+from tests.blockd.helpers import NAMESPACE, patches_blockd
+from tests.blockd.invariants import FakeClock, attributes, check_invariants, holders_of, snapshot
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
@@ -590,7 +590,7 @@ def _switch_at_every_release(machine: DirectoryMachine) -> None:
     release it is shown, so the pool re-keys its evictable heap again and again (a real
     switch is rare: a 12-block pool's miniature simulations seldom disagree)."""
     policy = machine.directory._slots[machine.pool_id].pool.leaves.policy
-    if "observe" in vars(policy):
+    if "observe" in attributes(policy):
         return
 
     def observe(blocks, tick, num_blocks) -> bool:
@@ -648,8 +648,8 @@ TestTieredBlindMachine = _test_case(TieredBlindMachine, _fast)
 TestLruSeenTwiceDirectoryMachine = _test_case(LruSeenTwiceDirectoryMachine, _fast)
 TestLfudaDirectoryMachine = _test_case(LfudaDirectoryMachine, _fast)
 TestSimulatedDirectoryMachine = _test_case(SimulatedDirectoryMachine, _fast)
-TestSimulatedSwitchingMachine = _test_case(SimulatedSwitchingMachine, _fast)
-TestSimulatedTieredCollidingMachine = _test_case(SimulatedTieredCollidingMachine, _fast)
+TestSimulatedSwitchingMachine = patches_blockd(_test_case(SimulatedSwitchingMachine, _fast))
+TestSimulatedTieredCollidingMachine = patches_blockd(_test_case(SimulatedTieredCollidingMachine, _fast))
 TestSharedTierMachine = _test_case(SharedTierMachine, _fast)
 TestSharedTierSeenTwiceMachine = _test_case(SharedTierSeenTwiceMachine, _fast)
 TestSharedTierCollidingMachine = _test_case(SharedTierCollidingMachine, _fast)

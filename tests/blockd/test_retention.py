@@ -83,7 +83,7 @@ def test_adaptive_shortens_the_life_of_one_use_blocks_of_runs_whose_victims_neve
     assert policy._run_bonus[2] == AdaptivePolicy.RUN_MAX_BONUS  # returns more than the rest
     assert policy._run_bonus[0] == 0  # no evidence
     now = policy.now
-    scan, turn = _block(last_tick=now), _block(last_tick=now - AdaptivePolicy.MIN_UNIT)
+    scan, turn = _block(last_tick=now), _block(last_tick=now - int(AdaptivePolicy.MIN_UNIT))
     scan.run_length, turn.run_length = 100, 2
     assert policy.priority(scan) < policy.priority(turn)
     hot = _block(last_tick=now, seen=3)
@@ -135,7 +135,7 @@ def test_a_bonus_horizon_is_worth_min_unit_ticks_where_one_use_victims_die_young
     assert policy.horizon < 2
     assert policy.bonus[4] > 2
     now = policy.now
-    hot = _block(last_tick=now - AdaptivePolicy.MIN_UNIT, seen=5)
+    hot = _block(last_tick=now - int(AdaptivePolicy.MIN_UNIT), seen=5)
     assert policy.priority(hot) > policy.priority(_block(last_tick=now))
 
 
