@@ -22,14 +22,19 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY kvcache ./kvcache
+COPY kvcache_contract ./kvcache_contract
 COPY blockd ./blockd
 COPY computed ./computed
 COPY clients ./clients
 COPY gateway ./gateway
 # Installs the dependencies and the kvctl/blockd/computed scripts. The daemons run
 # as `python -m ...` from /app, so they import this source tree.
+# blockd's directory core compiled with mypyc (blockd/native.py) into /app/build/native,
+# which `python -m blockd` loads (BLOCKD_NATIVE=auto); mypy is needed only to build it.
 RUN chmod -R a+rX /app \
-    && pip install . \
+    && pip install . mypy \
+    && python -m blockd.native \
+    && chmod -R a+rX /app/build \
     && useradd --system --uid 10001 --home-dir /app kvcache
 
 USER kvcache

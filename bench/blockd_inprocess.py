@@ -9,9 +9,12 @@ are full, each admission hits 128 blocks, commits 128 new ones and evicts 128.
 
 What it prints is blockd's own CPU per admission (`time.process_time` around the server
 side only; writing the requests is the client's and is left out), best of `--rounds`
-rounds after a warm-up that fills every pool. The gRPC transport adds ~105 us of server
-CPU per Step on top (bench.blockd_grpc's echo server). `--profile` prints cProfile's top
-entries of one more round; for py-spy run it under `py-spy record -- python -m ...`.
+rounds after a warm-up that fills every pool, for each build of the directory core in
+its own processes, in turns of both orders: compiled (blockd.native, what the daemon runs
+where `make native` built it) and pure. The gRPC transport adds ~105 us of server CPU per
+Step on top (bench.blockd_grpc's echo server). `--profile` prints cProfile's top entries
+of one more round of the pure core in this process (cProfile does not see compiled
+functions: for those, `py-spy record --native`).
 
     python -m bench.blockd_inprocess [--rounds 5] [--steps 200] [--profile]
 """
@@ -21,8 +24,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import json
 import pstats
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from bench.blockd_grpc import (
     ADMITS_PER_STEP,
@@ -33,6 +40,7 @@ from bench.blockd_grpc import (
     StepWriter,
     _field,
 )
+from blockd import native
 from blockd.auth import BearerAuth
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
@@ -40,6 +48,7 @@ from blockd.service import BlockDirectoryService
 from blockd.types import Namespace
 from kvcache.v1 import directory_pb2 as pb
 
+REPO = Path(__file__).resolve().parent.parent
 WIRE = "packed"  # the form computed and bench.blockd_grpc's batched workers send
 WARMUP_STEPS = 40  # per worker: 160 admissions of 128 new blocks fill a 4,096-block pool 5x
 
@@ -127,18 +136,54 @@ def measure(rounds: int, steps: int, profile: bool = False) -> dict:
     return figures
 
 
+def in_child(build: str, rounds: int, steps: int) -> dict:
+    """`measure` in a fresh process on one build of the directory core: "compiled" (the
+    daemon's, blockd.native) or "pure". Both cannot share a process (same module names)."""
+    code = (
+        "import json, sys\n"
+        "from blockd import native\n"
+        f"native.enable({'on' if build == 'compiled' else 'off'!r})\n"
+        "from bench.blockd_inprocess import measure\n"
+        f"print(json.dumps(measure({rounds}, {steps})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"the {build} run failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(quick: bool = False, rounds: int = 5, steps: int = 100, profile: bool = False) -> dict:
+    """The compiled core (what the daemon runs where built) and the pure one, each in its own
+    process, in turns of both orders; without a current build (make native), pure alone."""
     if quick:
         rounds, steps = 2, 25
-    figures = measure(rounds, steps, profile)
+    if profile:
+        return measure(rounds, steps, profile)
+    builds = ("compiled", "pure") if native.is_built() else ("pure",)
+    runs: dict[str, list[dict]] = {build: [] for build in builds}
+    for order in (builds, builds[::-1]):
+        for build in order:
+            runs[build].append(in_child(build, rounds, steps))
+    best = {build: min(found, key=lambda f: f["cpu_us_per_admission"]) for build, found in runs.items()}
+    figures = dict(best[builds[0]])
+    figures["core"] = builds[0]
+    if "compiled" in best:
+        figures["pure_cpu_us_per_admission"] = best["pure"]["cpu_us_per_admission"]
+        figures["pure_over_compiled_cpu"] = round(
+            best["pure"]["cpu_us_per_admission"] / best["compiled"]["cpu_us_per_admission"], 2
+        )
     print(
         f"blockd Step path in process ({NUM_WORKERS} pools x {POOL_BLOCKS} blocks, {ADMITS_PER_STEP} "
-        f"admissions per Step, {steps} Steps per pool per round, best of {rounds}): "
-        f"{figures['cpu_us_per_admission']} us CPU per admission "
-        f"({figures['admissions_per_cpu_second']} admissions per CPU second; rounds "
-        f"{figures['cpu_us_per_admission_rounds']}); {figures['evictions_per_admission']} evictions per "
-        f"admission, hit rate {figures['hit_rate_tokens']}"
+        f"admissions per Step, {steps} Steps per pool per round, best of {rounds} in each of 2 processes), "
+        f"{builds[0]} core: {figures['cpu_us_per_admission']} us CPU per admission "
+        f"({figures['admissions_per_cpu_second']} admissions per CPU second); "
+        f"{figures['evictions_per_admission']} evictions per admission, hit rate {figures['hit_rate_tokens']}"
     )
+    if "compiled" in best:
+        print(
+            f"  pure core: {figures['pure_cpu_us_per_admission']} us CPU per admission "
+            f"(pure / compiled = {figures['pure_over_compiled_cpu']})"
+        )
     return figures
 
 

@@ -18,11 +18,7 @@ from blockd import native
 # chosen before the modules below import it. Imported as a library (tests), it stays pure.
 NATIVE_STATUS = "off: imported as a module"
 if __name__ == "__main__":
-    try:
-        NATIVE_STATUS = native.enable()
-    except native.NativeUnavailable as exc:
-        sys.stderr.write(f"blockd: {native.ENV}: {exc}\n")
-        sys.exit(2)
+    NATIVE_STATUS = native.enable_for_daemon()
 
 from blockd.config import EVENT_LOOPS, BlockdConfig, DirectoryConfig, TlsConfig
 from blockd.eviction import POLICY_NAMES

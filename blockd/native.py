@@ -156,6 +156,9 @@ def build(*, quiet: bool = True) -> Path:
         if target.exists():  # a build that did not finish
             shutil.rmtree(target)
         staging.rename(target)
+        for old in build_root().iterdir():  # builds of earlier sources: never loaded again
+            if old != target and len(old.name) == len(target.name) and (old / _DONE).exists():
+                shutil.rmtree(old, ignore_errors=True)
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -194,6 +197,26 @@ def enable(mode: str | None = None) -> str:
     if package_path not in blockd.__path__:
         blockd.__path__.insert(0, package_path)
     return f"on: {target}"
+
+
+def enable_for_daemon() -> str:
+    """`enable()` for a daemon's start: a bad BLOCKD_NATIVE, or `on` without a current
+    build, exits 2 with the reason."""
+    try:
+        return enable()
+    except NativeUnavailable as exc:
+        sys.stderr.write(f"blockd: {ENV}: {exc}\n")
+        raise SystemExit(2) from None
+
+
+def daemon_main() -> int:
+    """The `blockd` console script: as `python -m blockd`, the core chosen before the
+    daemon's modules load (blockd.__main__ imports the directory)."""
+    status = enable_for_daemon()
+    from blockd import __main__ as daemon
+
+    daemon.NATIVE_STATUS = status
+    return daemon.main()
 
 
 def is_enabled() -> bool:
