@@ -48,6 +48,12 @@ HEADLINES = {
         ),
         ("batched_over_ceiling", "blockd ÷ echo server (admissions/s)", "x", None),
         ("batched_over_naive", "batched Step ÷ one call per block (admissions/s)", "x", None),
+        (
+            "compiled_over_pure",
+            "compiled directory core ÷ pure, gRPC admissions/s (side by side, in turns)",
+            "x",
+            None,
+        ),
     ],
     "bench.blockd_fleet": [
         (
@@ -78,6 +84,8 @@ HEADLINES = {
             "µs",
             None,
         ),
+        ("pure_cpu_us_per_admission", "the same, pure directory core", "µs", None),
+        ("pure_over_compiled_cpu", "CPU per admission, pure ÷ compiled core", "x", None),
     ],
     "bench.blockd_core": [
         (
