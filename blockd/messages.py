@@ -26,7 +26,7 @@ from blockd.types import (
 from kvcache.v1 import cache_policy_pb2 as cache_pb
 from kvcache.v1 import directory_pb2 as pb
 
-CACHE_POLICIES = {
+CACHE_POLICIES: dict[int, CachePolicy] = {
     cache_pb.CACHE_POLICY_UNSPECIFIED: CachePolicy.STORE,
     cache_pb.CACHE_POLICY_STORE: CachePolicy.STORE,
     cache_pb.CACHE_POLICY_READ_ONLY: CachePolicy.READ_ONLY,

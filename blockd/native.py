@@ -45,9 +45,9 @@ BUILD_DIR_ENV = "BLOCKD_NATIVE_BUILD_DIR"
 MODES = ("auto", "on", "off")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# The compiled modules: the Step path's per-block work and what it calls per block. The
-# servicer, validation, the wire conversion and the tiers' registry stay interpreted (their
-# work is per call, or they rebind methods per instance, which compiled classes forbid).
+# The compiled modules: the Step path's per-block and per-op work, from the wire conversion
+# and validation to the directory. The servicer (gRPC's async machinery) and the tiers
+# (they rebind methods per instance, which compiled classes forbid) stay interpreted.
 MODULES = (
     "admission",
     "allocator",
@@ -59,12 +59,14 @@ MODULES = (
     "hashing",
     "host_tier",
     "leases",
+    "messages",
     "minisim",
     "pins",
     "pool",
     "prompt",
     "shared_tier",
     "sightings",
+    "validation",
 )
 _DONE = "built"  # written last: a folder without it is a build that did not finish
 

@@ -213,21 +213,21 @@ def plan_step(
     released: set[SequenceId] = set()
     next_commit: dict[SequenceId, int] = {}
     plan = StepPlan([], [], [], [])
-    for op in commits:
-        plan.commits.append(_plan_commit(pool, op, next_commit))
-    for op in releases:
-        if op.sequence_id not in pool.sequences or op.sequence_id in released:
+    for commit in commits:
+        plan.commits.append(_plan_commit(pool, commit, next_commit))
+    for release in releases:
+        if release.sequence_id not in pool.sequences or release.sequence_id in released:
             raise NotFound(
-                f"release: sequence {op.sequence_id} is not live in pool {pool.pool_id!r} "
+                f"release: sequence {release.sequence_id} is not live in pool {pool.pool_id!r} "
                 f"(released already, or never admitted)"
             )
-        released.add(op.sequence_id)
-        plan.releases.append(op.sequence_id)
-    for op in grows:
-        if op.sequence_id not in pool.sequences or op.sequence_id in released:
-            raise NotFound(f"grow: sequence {op.sequence_id} is not live in pool {pool.pool_id!r}")
-        _check_num_tokens(pool, config, op.num_tokens, f"grow of sequence {op.sequence_id}")
-        plan.grows.append((op.sequence_id, op.num_tokens))
+        released.add(release.sequence_id)
+        plan.releases.append(release.sequence_id)
+    for grow in grows:
+        if grow.sequence_id not in pool.sequences or grow.sequence_id in released:
+            raise NotFound(f"grow: sequence {grow.sequence_id} is not live in pool {pool.pool_id!r}")
+        _check_num_tokens(pool, config, grow.num_tokens, f"grow of sequence {grow.sequence_id}")
+        plan.grows.append((grow.sequence_id, grow.num_tokens))
     admitted: set[SequenceId] = set()
     for op in admits:
         sequence_id = op.sequence_id
@@ -276,7 +276,7 @@ def plan_resync(pool: BlockPool, config: DirectoryConfig, sequences: Seq[ResyncS
         prompt = make_prompt(
             seq.token_ids, seq.cache_salt, seq.public_prefix_tokens, config.max_sequence_tokens, what
         )
-        block_ids: list[BlockId] = list(seq.block_ids)
+        block_ids: list[BlockId] = list(seq.block_ids)  # type: ignore[arg-type]
         if len(block_ids) < pool.num_blocks_for(prompt.num_tokens):
             raise InvalidArgument(
                 f"{what}: {len(block_ids)} blocks cannot hold {prompt.num_tokens} tokens "
@@ -311,7 +311,7 @@ def _plan_commit(
     sequence = pool.sequences.get(op.sequence_id)
     if sequence is None:
         raise NotFound(f"{what}: the sequence is not live in pool {pool.pool_id!r}")
-    block_ids: list[BlockId] = list(op.block_ids)
+    block_ids: list[BlockId] = list(op.block_ids)  # type: ignore[arg-type]
     table = sequence.block_ids
     start = next_commit.get(op.sequence_id, sequence.num_committed)
     if block_ids != table[start : start + len(block_ids)]:  # a run of the table has no foreign block
