@@ -17,7 +17,8 @@ Two loads, each against one blockd and against `NUM_SHARDS` shards (one process 
   Steps a second, whose ratio sharded / one process is the scaling figure.
 
 On a machine whose cores the client processes share with blockd (2 cores here), the
-figures measure the machine as much as blockd: read them beside `cpu_count`.
+figures measure the machine as much as blockd: read them beside `cpu_count` and beside
+the same open loop against an echo server that answers at once (the harness's floor).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.blockd_grpc import start_blockd
+from bench.blockd_grpc import start_blockd, start_echo
 from kvcache.v1 import directory_pb2 as pb
 from kvcache.v1 import directory_pb2_grpc as pb_grpc
 from kvcache_contract.block_hash import token_bytes
@@ -247,6 +248,15 @@ def main(quick: bool = False) -> dict:
                 for proc, _ in daemons:
                     proc.terminate()
                     proc.wait(30)
+        # The harness's own floor: the same open loop against a server that answers at once
+        # (bench.blockd_grpc's echo server), on the same cores.
+        echo, echo_address = start_echo(Path(workdir))
+        try:
+            for key, value in _load([echo_address], seconds, 1.0 / STEPS_PER_S).items():
+                figures[f"echo_open_{key}"] = value
+        finally:
+            echo.terminate()
+            echo.wait(30)
     figures["stream_over_unary_closed_steps"] = round(
         figures["one_closed_steps_per_s"] / figures["unary_closed_steps_per_s"], 2
     )
@@ -270,6 +280,10 @@ def main(quick: bool = False) -> dict:
         f"(stream / unary = {figures['stream_over_unary_closed_steps']}x)"
     )
     print(f"  sharded / one (closed loop Steps/s) = {figures['sharded_over_one_closed_steps']}x")
+    print(
+        f"  echo server (answers at once; the clients and the machine alone): open loop Step p50 "
+        f"{figures['echo_open_step_p50_ms']} ms, p99 {figures['echo_open_step_p99_ms']} ms"
+    )
     return figures
 
 

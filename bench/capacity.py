@@ -63,6 +63,12 @@ HEADLINES = {
             Goal("<=", 5.0),
         ),
         ("one_open_steps_per_s", "fleet, one blockd: Steps/s served (offered 4,480)", "/s", None),
+        (
+            "echo_open_step_p99_ms",
+            "fleet, the same clients against an echo server (their own floor): Step p99",
+            "ms",
+            None,
+        ),
         ("sharded_open_step_p99_ms", "fleet, 2 shards: Step p99", "ms", Goal("<=", 5.0)),
         ("one_closed_steps_per_s", "fleet, closed loop, one blockd: Steps/s", "/s", None),
         ("sharded_closed_steps_per_s", "fleet, closed loop, 2 shards: Steps/s", "/s", None),
