@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from blockd import native
 from blockd.directory import BlockDirectory
 
 log = structlog.get_logger("blockd.metrics")
@@ -115,6 +116,13 @@ class DirectoryCollector(Collector):
         live = GaugeMetricFamily("kvcache_pools_live", "Pools whose lease is alive")
         live.add_metric([], sum(1 for info in self._directory.list_pools() if info.is_live))
         yield live
+        core = GaugeMetricFamily(
+            "kvcache_directory_core",
+            "1 for the directory core this blockd runs: compiled (blockd.native) or pure",
+            labels=["core"],
+        )
+        core.add_metric(["compiled" if native.is_enabled() else "pure"], 1)
+        yield core
 
 
 def make_registry(directory: BlockDirectory) -> CollectorRegistry:

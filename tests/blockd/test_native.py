@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,13 @@ def _core_line(log: Path) -> dict:
         if '"directory core"' in line:
             return json.loads(line)
     raise AssertionError(f"no 'directory core' line in {log.read_text()}")
+
+
+def _metrics_address(log: Path) -> str:
+    for line in log.read_text().splitlines():
+        if '"serving"' in line:
+            return json.loads(line)["metrics"]
+    raise AssertionError(f"no 'serving' line in {log.read_text()}")
 
 
 def _admit_and_release(address: str) -> int:
@@ -70,15 +78,20 @@ def _admit_and_release(address: str) -> int:
 
 @pytest.mark.parametrize("mode, compiled", [("on", True), ("auto", True), ("off", False)])
 def test_the_daemon_runs_the_core_its_mode_asks_for_and_serves_the_same(built, tmp_path, mode, compiled):
-    daemon = start_blockd(tmp_path, env={"BLOCKD_NATIVE": mode, "BLOCKD_LOG_FORMAT": "json"})
+    env = {"BLOCKD_NATIVE": mode, "BLOCKD_LOG_FORMAT": "json"}
+    daemon = start_blockd(tmp_path, "--metrics-port", "0", env=env)
     try:
         assert _admit_and_release(daemon.address) == 64
+        metrics = urllib.request.urlopen(f"http://{_metrics_address(daemon.log_path)}/metrics", timeout=10)
+        text = metrics.read().decode()
     finally:
         assert daemon.stop() == 0
     line = _core_line(daemon.log_path)
     assert line["compiled"] is compiled
     if compiled:
         assert line["detail"] == str(built)
+    core = "compiled" if compiled else "pure"
+    assert f'kvcache_directory_core{{core="{core}"}} 1.0' in text
 
 
 def test_without_a_build_of_these_sources_auto_runs_pure_and_on_refuses(tmp_path):
@@ -131,6 +144,14 @@ def test_an_edited_source_has_another_build_key(tmp_path, monkeypatch):
     assert native.build_key() != before
 
 
+def _python(code: str) -> list[str]:
+    """The lines a fresh interpreter prints running `code` (its blockd imports are its own)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
+    return done.stdout.strip().splitlines()
+
+
 def test_the_core_cannot_be_switched_after_it_was_imported(built):
     code = (
         "import blockd.pool\n"
@@ -141,10 +162,7 @@ def test_the_core_cannot_be_switched_after_it_was_imported(built):
         "except native.NativeUnavailable as exc:\n"
         "    print('refused:', exc)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    )
-    first, second = done.stdout.strip().splitlines()
+    first, second = _python(code)
     assert first.startswith("off: blockd.") and "imported before enable()" in first
     assert second.startswith("refused:")
 
@@ -156,10 +174,7 @@ def test_the_compiled_modules_are_the_ones_loaded(built):
         "import blockd.directory, blockd.pool, blockd.eviction\n"
         "print(native.is_enabled(), blockd.pool.__file__)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    )
-    status, loaded = done.stdout.strip().splitlines()
+    status, loaded = _python(code)
     assert status == f"on: {built}"
     enabled, path = loaded.split(" ", 1)
     assert enabled == "True" and path.startswith(str(built)) and path.endswith(".so")
