@@ -23,8 +23,16 @@ do not promise (a tuple where a list is typed, say), compiled code raises TypeEr
 `tests/conftest.py` enables it for a whole test run under BLOCKD_NATIVE=on, which is
 how `make test` checks the compiled core against the same tests (`make test-native`).
 
-Measured: `python -m bench.blockd_inprocess --compare-native` (the capacity bench's
-Steps through the servicer in process, both builds in one run; BENCHMARKS.md section 5).
+Measured (BENCHMARKS.md section 5, both builds side by side in one run): `python -m
+bench.blockd_inprocess` (the capacity bench's Steps through the servicer in process: CPU
+per admission 1.5-1.6x lower) and `python -m bench.blockd_grpc` (admissions/s over gRPC:
+1.38x).
+
+Not used: mypyc's `acyclic` classes (instances the collector never tracks, which the
+directory's records could be: they hold no cycles). Deallocating a chain of them deeper than
+CPython's trashcan limit (a 4,096-token prompt's 256 blocks) crashed the process
+(`bench.blockd_inprocess`, mypy 2.4, CPython 3.11): the trashcan needs the GC header
+acyclic instances lack. So the records stay tracked, and the collector's pauses remain.
 """
 
 from __future__ import annotations

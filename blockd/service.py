@@ -125,9 +125,17 @@ def streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncI
 class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
     """Worker calls; each needs the worker token when one is configured."""
 
-    def __init__(self, directory: BlockDirectory, auth: BearerAuth) -> None:
+    def __init__(
+        self,
+        directory: BlockDirectory,
+        auth: BearerAuth,
+        on_pool_registered: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_pool_registered`: called after each registration (blockd.server freezes the
+        collector's heap there)."""
         self._directory = directory
         self._auth = auth
+        self._on_pool_registered = on_pool_registered
 
     @unary
     async def RegisterPool(
@@ -159,6 +167,8 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             worker=request.worker_address,
             shared_tier=request.has_shared_tier,
         )
+        if self._on_pool_registered is not None:
+            self._on_pool_registered()
         return pb.RegisterPoolResponse(
             pool_id=reg.pool_id,
             epoch=reg.epoch,

@@ -34,8 +34,10 @@ class Blockd:
         return await self.admin.GetStats(pb.GetStatsRequest(), metadata=AUTH)
 
 
-async def start_inprocess(config: BlockdConfig, directory: BlockDirectory | None = None) -> Blockd:
-    server, address = build_server(config, directory)
+async def start_inprocess(
+    config: BlockdConfig, directory: BlockDirectory | None = None, on_pool_registered=None
+) -> Blockd:
+    server, address = build_server(config, directory, on_pool_registered)
     await server.start()
     channel = grpc.aio.insecure_channel(address)
     return Blockd(

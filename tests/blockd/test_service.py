@@ -361,6 +361,25 @@ async def test_unexpected_errors_are_internal_and_blockd_keeps_serving():
         await env.server.stop(0)
 
 
+async def test_each_registration_and_only_a_registration_calls_the_servers_hook():
+    """`serve` freezes the collector's heap there (blockd.server._tune_gc)."""
+    calls: list[int] = []
+    env = await start_inprocess(make_config(), on_pool_registered=lambda: calls.append(1))
+    try:
+        first = await register(env)
+        await step(env, first, admits=[pb.AdmitOp(sequence_id=1, token_ids=PROMPT)])
+        assert len(calls) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await register(env, num_blocks=0)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(calls) == 1  # a refused registration changes nothing
+        await register(env, block_size=32)
+        assert len(calls) == 2
+    finally:
+        await env.channel.close()
+        await env.server.stop(0)
+
+
 async def test_lease_expiry_task_drops_a_silent_pool():
     env = await start_inprocess(make_config(lease_ttl_seconds=0.4))
     try:
