@@ -8,9 +8,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# g++: computed builds its native CPU kernels at its first start (for the CPU it runs on, so
-# not at image build time), into COMPUTED_KERNEL_BUILD_DIR; without it, torch's kernels run.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+# gcc: mypyc builds blockd's compiled core at image build time (below). g++: computed builds
+# its native CPU kernels at its first start (for the CPU it runs on, so not at image build
+# time), into COMPUTED_KERNEL_BUILD_DIR; without it, torch's kernels run.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ && rm -rf /var/lib/apt/lists/*
 ENV COMPUTED_KERNEL_BUILD_DIR=/tmp/kvcache-kernels
 
 ARG TORCH_SPEC="torch==2.13.0"
