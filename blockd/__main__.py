@@ -16,9 +16,8 @@ from blockd import native
 
 # The daemon's directory core is the compiled one where its build is current (blockd.native):
 # chosen before the modules below import it. Imported as a library (tests), it stays pure.
-NATIVE_STATUS = "off: imported as a module"
 if __name__ == "__main__":
-    NATIVE_STATUS = native.enable_for_daemon()
+    _native_status = native.enable_for_daemon()
 
 from blockd.config import EVENT_LOOPS, BlockdConfig, DirectoryConfig, TlsConfig
 from blockd.eviction import POLICY_NAMES
@@ -236,7 +235,9 @@ def config_from_args(args: argparse.Namespace) -> BlockdConfig:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, native_status: str = "off: not chosen") -> int:
+    """`native_status`: what `native.enable_for_daemon` answered before the directory's
+    modules were imported (the start-up log says it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(config.log_format)
-    state, _, detail = NATIVE_STATUS.partition(": ")
+    state, _, detail = native_status.partition(": ")
     structlog.get_logger("blockd").info("directory core", compiled=state == "on", detail=detail)
     from blockd.server import serve  # after logging is configured; keeps --help fast
 
@@ -270,4 +271,4 @@ def _event_loop(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(native_status=_native_status))

@@ -112,14 +112,18 @@ def build_dir() -> Path:
 
 
 def is_built() -> bool:
-    return (build_dir() / _DONE).exists()
+    return _complete(build_dir())
+
+
+def _complete(target: Path) -> bool:
+    return (target / _DONE).exists()
 
 
 def build(*, quiet: bool = True) -> Path:
     """Compile `MODULES` into `build_dir()` (a no-op when it is complete); answers it.
     Runs mypyc in a child process (its setuptools build must not touch this one)."""
     target = build_dir()
-    if (target / _DONE).exists():
+    if _complete(target):
         return target
     try:
         import mypyc  # noqa: F401
@@ -127,24 +131,10 @@ def build(*, quiet: bool = True) -> Path:
         raise NativeUnavailable("mypy is not installed (pip install mypy, or make install)") from exc
     work = Path(tempfile.mkdtemp(prefix="blockd-native-"))
     try:
-        script = (
-            "import sys\n"
-            "from mypyc.build import mypycify\n"
-            "from setuptools import Distribution\n"
-            "paths = sys.argv[3:]\n"
-            "modules = mypycify(['--ignore-missing-imports', '--follow-imports=silent', *paths],"
-            " opt_level='3', target_dir=sys.argv[1] + '/c')\n"
-            "dist = Distribution({'name': 'blockd-native', 'ext_modules': modules})\n"
-            "cmd = dist.get_command_obj('build_ext')\n"
-            "cmd.build_lib, cmd.build_temp = sys.argv[2], sys.argv[1] + '/temp'\n"
-            "cmd.parallel = 2\n"
-            "cmd.ensure_finalized()\n"
-            "cmd.run()\n"
-        )
         out = work / "out"
         paths = [str(p.relative_to(ROOT)) for p in sources()]
         done = subprocess.run(
-            [sys.executable, "-c", script, str(work), str(out), *paths],
+            [sys.executable, "-m", "blockd.native", "--mypyc", str(work), str(out), *paths],
             cwd=ROOT,
             check=False,
             capture_output=quiet,
@@ -162,16 +152,33 @@ def build(*, quiet: bool = True) -> Path:
             shutil.copy2(lib, staging / "blockd" / lib.name)
         found = {lib.name.split(".")[0] for lib in (staging / "blockd").iterdir()}
         assert found == set(MODULES), f"mypyc built {sorted(found)}, not {sorted(MODULES)}"
-        (staging / _DONE).write_text(build_key() + "\n")
+        (staging / _DONE).write_text(target.name + "\n")
         if target.exists():  # a build that did not finish
             shutil.rmtree(target)
         staging.rename(target)
         for old in build_root().iterdir():  # builds of earlier sources: never loaded again
-            if old != target and len(old.name) == len(target.name) and (old / _DONE).exists():
+            if old != target and len(old.name) == len(target.name) and _complete(old):
                 shutil.rmtree(old, ignore_errors=True)
         return target
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _mypyc(work: Path, out: Path, paths: list[str]) -> None:
+    """mypyc on `paths` (relative to ROOT, the working directory), its C in `work`, the
+    extension modules into `out` (`build` runs this in a child process)."""
+    from mypyc.build import mypycify
+    from setuptools import Distribution
+
+    modules = mypycify(
+        ["--ignore-missing-imports", "--follow-imports=silent", *paths],
+        opt_level="3",
+        target_dir=str(work / "c"),
+    )
+    command = Distribution({"name": "blockd-native", "ext_modules": modules}).get_command_obj("build_ext")
+    command.build_lib, command.build_temp = str(out), str(work / "temp")
+    command.ensure_finalized()
+    command.run()
 
 
 def _made(path: Path) -> Path:
@@ -193,7 +200,7 @@ def enable(mode: str | None = None) -> str:
     target = build_dir()
     if loaded and not _is_native(loaded[0]):
         why = f"blockd.{loaded[0]} was imported before enable()"
-    elif not (target / _DONE).exists():
+    elif not _complete(target):
         why = f"no build for these sources at {target} (run: make native)"
     else:
         why = None
@@ -225,8 +232,7 @@ def daemon_main() -> int:
     status = enable_for_daemon()
     from blockd import __main__ as daemon
 
-    daemon.NATIVE_STATUS = status
-    return daemon.main()
+    return daemon.main(native_status=status)
 
 
 def is_enabled() -> bool:
@@ -240,6 +246,9 @@ def _is_native(name: str) -> bool:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--mypyc"]:  # the child process of `build`
+        _mypyc(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:])
+        return 0
     try:
         target = build(quiet="-v" not in sys.argv[1:])
     except NativeUnavailable as exc:

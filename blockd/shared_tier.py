@@ -99,11 +99,10 @@ class SharedRecord:
         self.chain_digest = chain
 
 
-def chain_of(parent: SharedRecord | None, token_bytes: bytes, salt_digest: bytes | None) -> bytes:
-    """The chain digest of a block with these tokens and salt digest under `parent`."""
-    return chain_digest(
-        parent.chain_digest if parent is not None else None, identity(token_bytes, salt_digest)
-    )
+def chain_of(parent: SharedRecord | None, block_identity: bytes) -> bytes:
+    """The chain digest of a block with this identity (`shared_value.identity`) under
+    `parent` (None: a first block): what a write stamps and a rebuild checks."""
+    return chain_digest(parent.chain_digest if parent is not None else None, block_identity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,9 +278,7 @@ class SharedIndex:
                     continue
             elif record.depth != 0:
                 continue
-            if record.chain_digest != chain_digest(
-                parent.chain_digest if parent is not None else None, record.identity
-            ):
+            if record.chain_digest != chain_of(parent, record.identity):
                 continue
             self.pending.pop(record.block_hash, None)
             self._place(record, parent)

@@ -127,7 +127,7 @@ class SharedLevel(LowerTier):
                 block.token_bytes,
                 salt_digest,
                 block.depth,
-                chain_of(parent_record, block.token_bytes, salt_digest),
+                chain_of(parent_record, identity(block.token_bytes, salt_digest)),
             )
             shared.add_pending(record, self.pool_id, parent_record)
             records[id(block)] = record
