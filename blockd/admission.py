@@ -31,19 +31,30 @@ uniform bits). Pure: no I/O.
 from __future__ import annotations
 
 from itertools import combinations
+from typing import Final
 
 from blockd.types import BlockHash
 
 BYTES_PER_KEY = 3  # per key of a generation: ~0.6% false positives when it is full
 _BITS_SET = 3  # of the 8 bits of a key's byte
 # A key's bit pattern, by 6 bits of its hash: the 56 patterns of 3 bits in a byte.
-_PATTERNS = [sum(1 << b for b in bits) for bits in combinations(range(8), _BITS_SET)]
-_PATTERNS = [_PATTERNS[v % len(_PATTERNS)] for v in range(64)]
+_THREE_OF_EIGHT = [sum(1 << b for b in bits) for bits in combinations(range(8), _BITS_SET)]
+# Final: the compiled core (blockd.native) reads a Final global from a C static, any other
+# from the module's dict (two dict lookups per key in `_slot`, callgrind).
+_PATTERNS: Final = [_THREE_OF_EIGHT[v % len(_THREE_OF_EIGHT)] for v in range(64)]
 # The byte is the hash (as a little-endian int) modulo the bytes of a generation; the
-# pattern is its top 6 bits (of 128). Measured per query: 244 ns against 428 ns for the
-# low 48 bits then the next 6 (masks and shifts on a 128-bit int cost more than one
-# modulo); ~5% of blockd's time under `python -m bench.blockd_grpc` (py-spy).
-_PATTERN_SHIFT = 122
+# pattern is its top 6 bits (of 128). `_slot` computes both without a 128-bit int: with
+# the hash's 24-bit words w0..w5 (little-endian; w5 is its last byte), x mod n =
+# (w0 + w1 (2^24 mod n) + ... + w5 (2^120 mod n)) mod n, and the top 6 bits are w5's. For
+# n < 2^26 every operand of a product is below 2^30 and the sum below 2^53, so the
+# compiled core (blockd.native) multiplies machine ints without an overflow path (mypyc
+# takes its slow path for a factor of 2^30 or more), where int.from_bytes, % and >> on
+# the 128-bit int took ~25% of the instructions of an admission of
+# bench.blockd_inprocess (callgrind). Beyond 2^26 bytes (a generation of ~22M keys) the
+# 128-bit path answers.
+_PATTERN_SHIFT: Final = 122
+_FAST_LIMIT: Final = 1 << 26
+_HASH_BYTES: Final = 16  # xxh3-128 (blockd.hashing): other lengths take the 128-bit path
 
 
 class KeyMemory:
@@ -58,6 +69,10 @@ class KeyMemory:
         self._old = bytearray(self._num_bytes)
         self._num_young = 0
         self.num_added = 0  # keys added since creation (or the last clear)
+        n = self._num_bytes
+        # 2^24k mod n for k = 1 .. 5 (`_slot`), and whether the machine-int path holds
+        self._fast = n < _FAST_LIMIT
+        self._m1, self._m2, self._m3, self._m4, self._m5 = [(1 << 24 * k) % n for k in range(1, 6)]
 
     @property
     def nbytes(self) -> int:
@@ -76,25 +91,41 @@ class KeyMemory:
             self._old = self._young
             self._young = bytearray(self._num_bytes)
             self._num_young = 0
-        x = int.from_bytes(block_hash, "little")
-        self._young[x % self._num_bytes] |= _PATTERNS[(x >> _PATTERN_SHIFT) & 63]
+        i, pattern = self._slot(block_hash)
+        self._young[i] |= pattern
         self._num_young += 1
         self.num_added += 1
+
+    def _slot(self, block_hash: bytes) -> tuple[int, int]:
+        """(byte index, bit pattern) of a key in either generation (see `_PATTERN_SHIFT`)."""
+        h = block_hash
+        if self._fast and len(h) == _HASH_BYTES:
+            top = h[15]
+            i = (
+                (h[0] | h[1] << 8 | h[2] << 16)
+                + (h[3] | h[4] << 8 | h[5] << 16) * self._m1
+                + (h[6] | h[7] << 8 | h[8] << 16) * self._m2
+                + (h[9] | h[10] << 8 | h[11] << 16) * self._m3
+                + (h[12] | h[13] << 8 | h[14] << 16) * self._m4
+                + top * self._m5
+            ) % self._num_bytes
+            return i, _PATTERNS[top >> 2]
+        x = int.from_bytes(h, "little")
+        return x % self._num_bytes, _PATTERNS[(x >> _PATTERN_SHIFT) & 63]
 
     def add_many(self, block_hashes: list[BlockHash]) -> None:
         """`add` each, oldest first (one call per eviction batch: no call per key)."""
         if not self.capacity:
             return
-        num_bytes, per_generation, patterns = self._num_bytes, self._per_generation, _PATTERNS
+        num_bytes, per_generation = self._num_bytes, self._per_generation
         young, num_young = self._young, self._num_young
-        from_bytes = int.from_bytes
         for block_hash in block_hashes:
             if num_young >= per_generation:
                 self._old = young
                 young = self._young = bytearray(num_bytes)
                 num_young = 0
-            x = from_bytes(block_hash, "little")
-            young[x % num_bytes] |= patterns[(x >> _PATTERN_SHIFT) & 63]
+            i, pattern = self._slot(block_hash)  # a method call, not a bound local: native in mypyc
+            young[i] |= pattern
             num_young += 1
         self._num_young = num_young
         self.num_added += len(block_hashes)
@@ -103,21 +134,18 @@ class KeyMemory:
         # Runs once per committed block of a pool under pressure (GhostTable.recall); no
         # emptiness test (an empty memory's bytes are zero, and every pattern has bits set).
         # Hot callers ask `contains_many` (one call per commit run).
-        x = int.from_bytes(block_hash, "little")  # type: ignore[arg-type]
-        i = x % self._num_bytes
-        pattern = _PATTERNS[(x >> _PATTERN_SHIFT) & 63]
+        if not isinstance(block_hash, bytes):
+            return False
+        i, pattern = self._slot(block_hash)
         return self._young[i] & pattern == pattern or self._old[i] & pattern == pattern
 
     def contains_many(self, block_hashes: list[BlockHash]) -> list[bool]:
         """`hash in self` for each, in one call (a commit run's recall)."""
-        young, old, num_bytes, patterns = self._young, self._old, self._num_bytes, _PATTERNS
-        from_bytes = int.from_bytes
+        young, old = self._young, self._old
         answers: list[bool] = []
         append = answers.append
         for block_hash in block_hashes:
-            x = from_bytes(block_hash, "little")
-            i = x % num_bytes
-            pattern = patterns[(x >> _PATTERN_SHIFT) & 63]
+            i, pattern = self._slot(block_hash)
             append(young[i] & pattern == pattern or old[i] & pattern == pattern)
         return answers
 

@@ -3,8 +3,9 @@
 `GhostTable`: the hashes of the last `capacity` blocks that left the index (evicted
 by a policy, dropped by a flush, or never stored because their request's
 cache_policy said so), with when and why and how often they had been used. Fixed
-size: the oldest ghost is forgotten first (an OrderedDict, O(1) per operation), so
-memory is bounded whatever the traffic. It serves two readers:
+size: the oldest ghost is forgotten first (a dict and a FIFO of its entries, O(1)
+amortised per operation), so memory is bounded whatever the traffic. It serves two
+readers:
 
 - the policies: a block committed again with a remembered hash gets its earlier
   uses back (`Block.num_seen`), as ARC and S3-FIFO promote a ghost hit, so a block
@@ -24,10 +25,10 @@ Pure: no gRPC, no I/O; time comes from the injected clock.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blockd.admission import KeyMemory
 from blockd.eviction import POLICIES, GatedPolicy
@@ -62,6 +63,13 @@ KEYS_PER_GHOST = 4
 
 # their one-use victims were never admitted (SimulatedPolicy: whichever order it followed)
 GATED_POLICIES = frozenset(name for name, cls in POLICIES.items() if issubclass(cls, GatedPolicy))
+
+# A ghost table's entry: (cause, at, num_uses, run_length, block_hash), `Ghost`'s fields and
+# the hash. Typed as a tuple of any length on purpose: mypyc (blockd.native) keeps a
+# fixed-length tuple as a C struct and boxes a new object at each store, so the dict's and
+# the FIFO's copies would never be the same object (`GhostTable._order` tests identity).
+_Entry = tuple[Any, ...]
+_SLACK = 64  # stale FIFO entries tolerated beyond the capacity before a compaction
 
 # Ghost causes that are reasons of their own (an eviction's cause is the policy name).
 FLUSH = "flush"
@@ -123,10 +131,19 @@ class GhostTable:
         self.capacity = capacity
         self._clock = clock
         self._on_return = on_return  # the policy's `returned`: a ghost came back
-        # hash -> (cause, at, num_uses, run_length): a Ghost is built only when one is asked for (a
-        # tuple per evicted block, not a frozen dataclass: `remember` runs once per
-        # eviction, bench.blockd_grpc evicts a 128-block chain per admission)
-        self._ghosts: OrderedDict[BlockHash, tuple[str, float, int, int]] = OrderedDict()
+        # hash -> (cause, at, num_uses, run_length, hash): a Ghost is built only when one is
+        # asked for (a tuple per evicted block, not a frozen dataclass: `remember` runs once
+        # per eviction, bench.blockd_grpc evicts a 128-block chain per admission).
+        self._ghosts: dict[BlockHash, _Entry] = {}
+        # Every entry `remember` made, oldest first; an entry is live while `_ghosts` maps its
+        # hash to it (the same object), else stale (recalled, or remembered again later:
+        # its newer entry is further back). So the live entries are in the order of their
+        # hashes' last `remember`, the order an OrderedDict moved to its end kept, and the
+        # oldest live one is forgotten first. A plain dict and this FIFO cost one dict
+        # operation per remember, recall or expiry where the OrderedDict cost two
+        # (bench.blockd_inprocess). Stale entries are dropped when they reach the front,
+        # or all at once when they outnumber the live ones (`_compact`).
+        self._order: deque[_Entry] = deque()
         self.salted: dict[BlockHash, int] = {}
         # Every hash that left, for far longer than the ghosts (hash only, approximate).
         self.keys = KeyMemory(int(KEYS_PER_GHOST * capacity))
@@ -144,25 +161,37 @@ class GhostTable:
 
     def get(self, block_hash: BlockHash) -> Ghost | None:
         entry = self._ghosts.get(block_hash)
-        return Ghost(*entry) if entry is not None else None
+        return Ghost(entry[0], entry[1], entry[2], entry[3]) if entry is not None else None
 
     def remember(self, hashes_and_uses: list[tuple[BlockHash, int, int]], cause: str) -> None:
         """Blocks that just left the index (or were never stored), oldest first: each
         (hash, uses, run length: `Block.run_length`, which the policy learns by)."""
         if not self.capacity:
             return
-        ghosts = self._ghosts
-        pop = ghosts.pop
+        ghosts, order = self._ghosts, self._order
+        append = order.append
         now = self._clock()
         for block_hash, num_uses, run_length in hashes_and_uses:
-            pop(block_hash, None)  # refresh: it moves to the young end
-            ghosts[block_hash] = (cause, now, num_uses, run_length)
-        self.keys.add_many([entry[0] for entry in hashes_and_uses])
-        excess = len(ghosts) - self.capacity
-        if excess > 0:
-            popitem = ghosts.popitem
-            for _ in range(excess):
-                popitem(last=False)
+            entry: _Entry = (cause, now, num_uses, run_length, block_hash)  # one object: see _Entry
+            ghosts[block_hash] = entry  # a remembered hash's earlier entry goes stale
+            append(entry)
+        self.keys.add_many([item[0] for item in hashes_and_uses])
+        capacity = self.capacity
+        if len(ghosts) > capacity:
+            popleft, pop = order.popleft, ghosts.pop
+            while len(ghosts) > capacity:
+                oldest = popleft()
+                live = pop(oldest[4], None)
+                if live is not oldest and live is not None:  # stale: its live entry is younger
+                    ghosts[oldest[4]] = live
+        if len(order) > 2 * capacity + _SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the FIFO's stale entries (recalled ghosts leave theirs behind): at most
+        one pass per `capacity` remembers, so O(1) amortised."""
+        ghosts = self._ghosts
+        self._order = deque([entry for entry in self._order if ghosts.get(entry[4]) is entry])
 
     def recall(self, block_hash: BlockHash) -> int:
         """A block with this hash is indexed again: forget its ghost, answer the uses
@@ -171,7 +200,7 @@ class GhostTable:
         entry = self._ghosts.pop(block_hash, None)
         if entry is None:
             return 1 if block_hash in self.keys else 0
-        cause, _, num_uses, run_length = entry
+        cause, _, num_uses, run_length, _ = entry
         # Every victim of the policy that returns teaches it (EVICTED and NOT_ADMITTED
         # alike: the gate opens on probation victims' returns); a flush or cache_policy
         # is no verdict on the policy. Teaching only EVICTED ghosts left the gate unable to
@@ -201,7 +230,7 @@ class GhostTable:
             if entry is None:
                 append(1 if next(known) else 0)
                 continue
-            cause, _, num_uses, run_length = entry
+            cause, _, num_uses, run_length, _ = entry
             if on_return is not None and cause != FLUSH and cause != NOT_STORED:
                 on_return(num_uses, run_length)
             append(num_uses)
@@ -219,6 +248,7 @@ class GhostTable:
 
     def clear(self) -> None:
         self._ghosts.clear()
+        self._order.clear()
         self.keys.clear()
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from blockd.admission import KeyMemory
+from blockd.admission import _PATTERNS, KeyMemory
 from blockd.hashing import truncated_hasher
 from blockd.pool import BlockPool
 from tests.blockd.helpers import harness, patches_blockd
@@ -42,6 +42,19 @@ def test_key_memory_batches_of_other_key_lengths_take_the_plain_path():
     _scalar(single, keys)
     assert batched._young == single._young
     assert all(key in batched for key in keys)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 1_000, 65_536, 4_194_304])
+def test_key_memory_places_a_key_where_its_128_bit_value_says(capacity):
+    """`_slot`'s machine-int arithmetic against the definition: the hash as a little-endian
+    128-bit int, modulo the generation's bytes, and its top 6 bits for the pattern."""
+    rng = random.Random(capacity)
+    memory = KeyMemory(capacity)
+    num_bytes = len(memory._young)
+    keys = [rng.randbytes(16) for _ in range(2_000)] + [bytes(16), b"\xff" * 16]
+    for key in keys:
+        x = int.from_bytes(key, "little")
+        assert memory._slot(key) == (x % num_bytes, _PATTERNS[(x >> 122) & 63])
 
 
 def test_a_commit_run_meeting_an_indexed_copy_stops_indexing_there():

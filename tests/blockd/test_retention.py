@@ -3,7 +3,11 @@ table, miss reasons and per-request cache_policy, on the pure directory core."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blockd.block import Block
 from blockd.config import DirectoryConfig
@@ -206,6 +210,43 @@ def test_ghost_table_is_bounded_and_forgets_the_oldest():
     assert bytes([0]) * 16 not in ghosts and bytes([4]) * 16 in ghosts
     assert ghosts.recall(bytes([4]) * 16) == 4 and bytes([4]) * 16 not in ghosts
     assert ghosts.recall(bytes([9]) * 16) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    capacity=st.integers(1, 6),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("remember"), st.lists(st.integers(0, 12), max_size=8)),
+            st.tuples(st.just("recall"), st.integers(0, 12)),
+        ),
+        max_size=80,
+    ),
+)
+def test_ghost_table_forgets_in_the_order_an_ordered_dict_would(capacity, ops):
+    """The table against a model: an OrderedDict whose re-remembered hash moves to the
+    young end and whose oldest entries go past the capacity. Recalls leave stale FIFO
+    entries behind, re-remembers younger ones: neither may change what is forgotten."""
+    ghosts = GhostTable(capacity, lambda: 1.0)
+    model: OrderedDict[bytes, int] = OrderedDict()
+    for step, (op, arg) in enumerate(ops):
+        if op == "remember":
+            hashes = [bytes([i]) * 16 for i in arg]
+            ghosts.remember([(h, step, 0) for h in hashes], "lru")
+            for h in hashes:
+                model.pop(h, None)
+                model[h] = step
+            while len(model) > capacity:
+                model.popitem(last=False)
+        else:
+            h = bytes([arg]) * 16
+            expected = model.pop(h, None)
+            uses = ghosts.recall(h)
+            if expected is not None:
+                assert uses == expected
+        assert len(ghosts) == len(model) <= capacity
+        assert all(bytes([i]) * 16 in ghosts for i in range(13) if bytes([i]) * 16 in model)
+        assert all(ghosts.get(h).num_uses == uses for h, uses in model.items())
 
 
 def _misses(h) -> dict[str, int]:
