@@ -18,7 +18,8 @@ generation (a false positive only admits a block early); never a false negative 
 the window.
 
 Memory: 2 x `BYTES_PER_KEY` x capacity / 2 = `BYTES_PER_KEY` bytes per tracked key
-(3 B), against ~160 B per entry of the ghost table's OrderedDict. `nbytes` reports it;
+(3 B), against ~190 B per ghost of the ghost table (tracemalloc, its dict, FIFO and
+entry; 250 B when it was an OrderedDict). `nbytes` reports it;
 tests/blockd/test_admission.py measures the false-positive rate.
 
 One byte per key, not k scattered bits: a query is one int conversion, one byte and
@@ -101,12 +102,13 @@ class KeyMemory:
         h = block_hash
         if self._fast and len(h) == _HASH_BYTES:
             top = h[15]
+            # products, not shifts: mypyc inlines a small int's product, calls out for a shift
             i = (
-                (h[0] | h[1] << 8 | h[2] << 16)
-                + (h[3] | h[4] << 8 | h[5] << 16) * self._m1
-                + (h[6] | h[7] << 8 | h[8] << 16) * self._m2
-                + (h[9] | h[10] << 8 | h[11] << 16) * self._m3
-                + (h[12] | h[13] << 8 | h[14] << 16) * self._m4
+                (h[0] + h[1] * 256 + h[2] * 65536)
+                + (h[3] + h[4] * 256 + h[5] * 65536) * self._m1
+                + (h[6] + h[7] * 256 + h[8] * 65536) * self._m2
+                + (h[9] + h[10] * 256 + h[11] * 65536) * self._m3
+                + (h[12] + h[13] * 256 + h[14] * 65536) * self._m4
                 + top * self._m5
             ) % self._num_bytes
             return i, _PATTERNS[top >> 2]

@@ -37,7 +37,7 @@ from blockd.prompt import Prompt
 from blockd.types import BlockHash
 
 if TYPE_CHECKING:
-    from blockd.block import Hashed
+    from blockd.block import Block, Hashed
 
 
 class MissReason(enum.Enum):
@@ -168,15 +168,33 @@ class GhostTable:
         (hash, uses, run length: `Block.run_length`, which the policy learns by)."""
         if not self.capacity:
             return
-        ghosts, order = self._ghosts, self._order
-        append = order.append
-        now = self._clock()
+        ghosts, append, now = self._ghosts, self._order.append, self._clock()
         for block_hash, num_uses, run_length in hashes_and_uses:
             entry: _Entry = (cause, now, num_uses, run_length, block_hash)  # one object: see _Entry
             ghosts[block_hash] = entry  # a remembered hash's earlier entry goes stale
             append(entry)
         self.keys.add_many([item[0] for item in hashes_and_uses])
-        capacity = self.capacity
+        self._forget_oldest()
+
+    def remember_blocks(self, blocks: list[Block], cause: str) -> None:
+        """`remember` of records that just left the index (evicted or flushed), oldest
+        first, each with its uses so far (commit and hits) and run length: read from the
+        records, with no tuple per block (`BlockPool._evict`, bench.blockd_inprocess)."""
+        if not self.capacity:
+            return
+        ghosts, append, now = self._ghosts, self._order.append, self._clock()
+        for block in blocks:
+            block_hash = block.block_hash
+            entry: _Entry = (cause, now, block.num_seen + block.num_hits, block.run_length, block_hash)
+            ghosts[block_hash] = entry
+            append(entry)
+        self.keys.add_many([block.block_hash for block in blocks])
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Forget the oldest ghosts past the capacity (the FIFO's stale entries on the way
+        are dropped), and compact the FIFO when stale entries outnumber live ones."""
+        ghosts, order, capacity = self._ghosts, self._order, self.capacity
         if len(ghosts) > capacity:
             popleft, pop = order.popleft, ghosts.pop
             while len(ghosts) > capacity:

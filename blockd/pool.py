@@ -445,7 +445,7 @@ class BlockPool:
             for tier in self.lower_tiers:
                 tier.left_device(block)
         self.num_evictable -= len(dropped)
-        self.ghosts.remember([(b.block_hash, b.num_seen + b.num_hits, b.run_length) for b in dropped], FLUSH)
+        self.ghosts.remember_blocks(dropped, FLUSH)
         self.free.give_all([block.block_id for block in dropped])  # type: ignore[misc]
         for i in range(0, len(dropped), EVENT_CHUNK):
             chunk = dropped[i : i + EVENT_CHUNK]
@@ -746,9 +746,7 @@ class BlockPool:
                 demote(dropped)
         self.num_evictable -= num
         self.counters.num_evictions += num
-        self.ghosts.remember(
-            [(b.block_hash, b.num_seen + b.num_hits, b.run_length) for b in evicted], leaves.policy.name
-        )
+        self.ghosts.remember_blocks(evicted, leaves.policy.name)
         block_ids: list[BlockId] = [block.block_id for block in evicted]  # type: ignore[misc]
         self._events.append(
             EventKind.REMOVED, self.pool_id, tuple([b.block_hash for b in evicted]), tuple(block_ids)
