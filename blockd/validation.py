@@ -314,7 +314,8 @@ def _plan_commit(
     block_ids: list[BlockId] = list(op.block_ids)  # type: ignore[arg-type]
     table = sequence.block_ids
     start = next_commit.get(op.sequence_id, sequence.num_committed)
-    if block_ids != table[start : start + len(block_ids)]:  # a run of the table has no foreign block
+    run = table[start : start + len(block_ids)]
+    if block_ids != run:  # a run of the table has no foreign block
         foreign = set(block_ids).difference(table)
         if foreign:
             raise InvalidArgument(
@@ -337,7 +338,7 @@ def _plan_commit(
                 f"past it (blocks {start} .. {start + len(block_ids) - 1} of the table)"
             )
         next_commit[op.sequence_id] = start + len(block_ids)
-        return op.sequence_id, block_ids, data
+        return op.sequence_id, run, data
     data = packed_tokens(op.token_ids, op.token_bytes, what)
     if len(data) != len(block_ids) * width:
         raise InvalidArgument(
@@ -351,7 +352,9 @@ def _plan_commit(
             f"(from token {start * pool.block_size})"
         )
     next_commit[op.sequence_id] = start + len(block_ids)
-    return op.sequence_id, block_ids, data
+    # the table's own ids (equal to the op's): the pool's check of the run then compares
+    # each id with itself, which a list comparison answers by identity
+    return op.sequence_id, run, data
 
 
 def _check_num_tokens(pool: BlockPool, config: DirectoryConfig, num_tokens: int, what: str) -> None:
