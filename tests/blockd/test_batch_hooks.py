@@ -169,3 +169,30 @@ def test_recall_many_covers_every_answer():
     # only the key memory answers now
     assert batched.recall_many(hashes[:3]) == [one_by_one.recall(h) for h in hashes[:3]] == [1, 1, 1]
     assert batched.recall_many([]) == []
+
+
+# ---------------------------------------------------------------- remember_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10), sizes=st.lists(st.integers(0, 9), min_size=1, max_size=12))
+def test_remember_blocks_remembers_what_remember_of_their_uses_does(seed, sizes):
+    """An eviction's records (`remember_blocks`) and the (hash, commits + hits, run) tuples
+    of the same blocks (`remember`) leave equal tables: ghosts, FIFO and key memory."""
+    rng = random.Random(seed)
+    from_blocks, from_tuples = GhostTable(16, lambda: 3.0), GhostTable(16, lambda: 3.0)
+    pool = [rng.randbytes(16) for _ in range(30)]  # re-remembered hashes included
+    for size in sizes:
+        blocks = [_block(0, rng.randrange(1, 4), rng.randrange(3), 0, rng.randrange(9)) for _ in range(size)]
+        for block in blocks:
+            block.block_hash = rng.choice(pool)
+        from_blocks.remember_blocks(blocks, "adaptive")
+        from_tuples.remember(
+            [(b.block_hash, b.num_seen + b.num_hits, b.run_length) for b in blocks], "adaptive"
+        )
+        assert from_blocks._ghosts == from_tuples._ghosts
+        assert list(from_blocks._order) == list(from_tuples._order)
+        assert (from_blocks.keys._young, from_blocks.keys._old) == (
+            from_tuples.keys._young,
+            from_tuples.keys._old,
+        )
