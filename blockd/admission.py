@@ -51,8 +51,11 @@ _PATTERNS: Final = [_THREE_OF_EIGHT[v % len(_THREE_OF_EIGHT)] for v in range(64)
 # compiled core (blockd.native) multiplies machine ints without an overflow path (mypyc
 # takes its slow path for a factor of 2^30 or more), where int.from_bytes, % and >> on
 # the 128-bit int took ~25% of the instructions of an admission of
-# bench.blockd_inprocess (callgrind). Beyond 2^26 bytes (a generation of ~22M keys) the
-# 128-bit path answers.
+# bench.blockd_inprocess (callgrind): 7-8 us per 128 keys against 15-16. Interpreted, the
+# 128-bit path is the faster (15-19 us against 74: one C call per operation either way,
+# and it makes fewer), so the words are used only where this module runs compiled, and
+# for n < 2^26 (a generation of ~22M keys).
+_COMPILED: Final = not __file__.endswith(".py")  # mypyc's module is an extension module
 _PATTERN_SHIFT: Final = 122
 _FAST_LIMIT: Final = 1 << 26
 _HASH_BYTES: Final = 16  # xxh3-128 (blockd.hashing): other lengths take the 128-bit path
@@ -71,8 +74,8 @@ class KeyMemory:
         self._num_young = 0
         self.num_added = 0  # keys added since creation (or the last clear)
         n = self._num_bytes
-        # 2^24k mod n for k = 1 .. 5 (`_slot`), and whether the machine-int path holds
-        self._fast = n < _FAST_LIMIT
+        # 2^24k mod n for k = 1 .. 5 (`_slot`), and whether the machine-int path is taken
+        self._fast = _COMPILED and n < _FAST_LIMIT
         self._m1, self._m2, self._m3, self._m4, self._m5 = [(1 << 24 * k) % n for k in range(1, 6)]
 
     @property
