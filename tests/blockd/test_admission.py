@@ -250,7 +250,9 @@ def test_the_bonus_table_is_recomputed_after_a_return_or_refresh_evictions():
         policy.evicted((float(i), i, 1 if i % 2 else 3, 0))
         if i % 2 == 0 and i % 10 == 0:
             policy.returned(3)
-    assert policy.bonus[2] > 0  # 3-use victims return, one-use victims never
+        if i % 50 == 1:  # one-use victims return too, 1/5 as often: a bonus below the cap
+            policy.returned(1)
+    assert 0 < policy.bonus[2] < AdaptivePolicy.MAX_BONUS  # 3-use victims return more often
     fresh = AdaptivePolicy()
     fresh._evictions, fresh._returns, fresh._scale = policy._evictions, policy._returns, policy._scale
     fresh._update()

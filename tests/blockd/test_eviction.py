@@ -10,7 +10,7 @@ import pytest
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
 from blockd.events import EventKind
-from blockd.eviction import EvictableLeaves
+from blockd.eviction import AdaptivePolicy, EvictableLeaves
 from blockd.types import AdmitOp, CommitOp, ReleaseOp
 from tests.blockd.helpers import NAMESPACE, harness, patches_blockd
 from tests.blockd.invariants import FakeClock, check_invariants, snapshot
@@ -90,3 +90,25 @@ def test_a_parent_newer_than_another_leaf_waits_its_turn():
     assert [e.block_ids for e in removed] == [(h.tables[3][0], h.tables[3][1])]
     assert h.directory.lookup([1, 2, 3, 4])[0].num_cached_tokens == 2  # a0 stays
     assert h.directory.lookup([5, 6])[0].num_cached_tokens == 0
+
+
+def test_a_use_class_bonus_is_linear_in_its_return_ratio():
+    # 2-use victims come back 8x as often as one-use victims (enough of both that the
+    # prior is negligible): they live 8 / 2^MARGIN - 1 horizons longer (log2 would give
+    # 3 - MARGIN), and a ratio past the cap gives MAX_BONUS.
+    policy = AdaptivePolicy()
+    for i in range(40_000):
+        policy.evicted((float(i), i, 1, 0))
+        policy.evicted((float(i), i, 2, 0))
+        if i % 10 == 0:
+            policy.returned(1)
+        if i % 10 < 8:
+            policy.returned(2)
+    ratio = 8.0
+    assert policy.bonus[1] == pytest.approx(ratio / 2**AdaptivePolicy.MARGIN - 1, rel=0.02)
+    assert policy.bonus[0] == 0.0  # the one-use class earns nothing against itself
+    for i in range(40_000):
+        policy.evicted((float(i), i, 1, 0))
+        policy.evicted((float(i), i, 3, 0))
+        policy.returned(3)  # every 3-use victim returns, one-use ones almost never
+    assert policy.bonus[2] == AdaptivePolicy.MAX_BONUS
