@@ -35,6 +35,7 @@ from itertools import combinations
 from typing import Final
 
 from blockd.types import BlockHash
+from kvcache_contract.block_hash import HASH_BYTES
 
 BYTES_PER_KEY = 3  # per key of a generation: ~0.6% false positives when it is full
 _BITS_SET = 3  # of the 8 bits of a key's byte
@@ -58,7 +59,7 @@ _PATTERNS: Final = [_THREE_OF_EIGHT[v % len(_THREE_OF_EIGHT)] for v in range(64)
 _COMPILED: Final = not __file__.endswith(".py")  # mypyc's module is an extension module
 _PATTERN_SHIFT: Final = 122
 _FAST_LIMIT: Final = 1 << 26
-_HASH_BYTES: Final = 16  # xxh3-128 (blockd.hashing): other lengths take the 128-bit path
+_HASH_BYTES: Final = HASH_BYTES  # the contract's (xxh3-128): other lengths take the 128-bit path
 
 
 class KeyMemory:

@@ -166,29 +166,27 @@ class GhostTable:
     def remember(self, hashes_and_uses: list[tuple[BlockHash, int, int]], cause: str) -> None:
         """Blocks that just left the index (or were never stored), oldest first: each
         (hash, uses, run length: `Block.run_length`, which the policy learns by)."""
-        if not self.capacity:
-            return
-        ghosts, append, now = self._ghosts, self._order.append, self._clock()
-        for block_hash, num_uses, run_length in hashes_and_uses:
-            entry: _Entry = (cause, now, num_uses, run_length, block_hash)  # one object: see _Entry
-            ghosts[block_hash] = entry  # a remembered hash's earlier entry goes stale
-            append(entry)
-        self.keys.add_many([item[0] for item in hashes_and_uses])
-        self._forget_oldest()
+        if self.capacity:
+            now = self._clock()
+            self._add([(cause, now, uses, run, block_hash) for block_hash, uses, run in hashes_and_uses])
 
     def remember_blocks(self, blocks: list[Block], cause: str) -> None:
         """`remember` of records that just left the index (evicted or flushed), oldest
         first, each with its uses so far (commit and hits) and run length: read from the
-        records, with no tuple per block (`BlockPool._evict`, bench.blockd_inprocess)."""
-        if not self.capacity:
-            return
-        ghosts, append, now = self._ghosts, self._order.append, self._clock()
-        for block in blocks:
-            block_hash = block.block_hash
-            entry: _Entry = (cause, now, block.num_seen + block.num_hits, block.run_length, block_hash)
-            ghosts[block_hash] = entry
+        records, with no (hash, uses, run) tuple per block (`BlockPool._evict`,
+        bench.blockd_inprocess)."""
+        if self.capacity:
+            now = self._clock()
+            self._add([(cause, now, b.num_seen + b.num_hits, b.run_length, b.block_hash) for b in blocks])
+
+    def _add(self, entries: list[_Entry]) -> None:
+        """Remember `entries` (oldest first; a remembered hash's earlier entry goes stale),
+        then forget the oldest ghosts past the capacity."""
+        ghosts, append = self._ghosts, self._order.append
+        for entry in entries:
+            ghosts[entry[4]] = entry
             append(entry)
-        self.keys.add_many([block.block_hash for block in blocks])
+        self.keys.add_many([entry[4] for entry in entries])
         self._forget_oldest()
 
     def _forget_oldest(self) -> None:
