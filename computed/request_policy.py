@@ -42,6 +42,7 @@ class PromptTokenizer(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = ...) -> list[list[int]]: ...
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = ...
     ) -> str: ...
@@ -118,7 +119,39 @@ class RequestPolicy:
 
     def admit(self, request: GenerateInput) -> AdmittedRequest:
         """Validate a Generate (tokenizing its prompt: slow for a long one) in the documented order."""
-        prompt = self.prompt_tokens(request)
+        return self._admit(request, self.prompt_tokens(request))
+
+    def admit_many(self, requests: Sequence[GenerateInput]) -> list[AdmittedRequest | Exception]:
+        """`admit` of each request, in order: the request or the error `admit` would raise.
+
+        The texts are tokenized together (`encode_many`: one call that leaves the GIL and
+        spreads over the cores), so a burst of text prompts costs one hop off the event
+        loop, not one each. Why: a burst of 32 streamed 1,040-token prompts reached the
+        engine 2.3 ms apart, one tokenizer thread hop each (`bench.serving_http`)."""
+        texts: list[tuple[str, bool] | None | Exception] = []
+        for request in requests:
+            try:
+                texts.append(self.prompt_text(request))
+            except Exception as error:  # noqa: BLE001 - each request's own error
+                texts.append(error)
+        encoded: dict[int, list[int]] = {}
+        for special in (True, False):
+            picked = {i: t[0] for i, t in enumerate(texts) if isinstance(t, tuple) and t[1] is special}
+            if picked:
+                ids = self.tokenizer.encode_many(list(picked.values()), add_special_tokens=special)
+                encoded.update(zip(picked, ids, strict=True))
+        out: list[AdmittedRequest | Exception] = []
+        for i, (request, text) in enumerate(zip(requests, texts, strict=True)):
+            try:
+                if isinstance(text, Exception):
+                    raise text
+                tokens = self._given_ids(request) if text is None else encoded[i]
+                out.append(self._admit(request, self.check_prompt(tokens)))
+            except Exception as error:  # noqa: BLE001 - each request's own error
+                out.append(error)
+        return out
+
+    def _admit(self, request: GenerateInput, prompt: list[int]) -> AdmittedRequest:
         params = self.sampling_params(request, len(prompt))
         salt = _check_salt(request.cache_salt)
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -158,18 +191,32 @@ class RequestPolicy:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), ""
 
     def prompt_tokens(self, request: GenerateInput) -> list[int]:
+        text = self.prompt_text(request)
+        if text is None:
+            return self.check_prompt(self._given_ids(request))
+        return self.check_prompt(self.tokenizer.encode(text[0], add_special_tokens=text[1]))
+
+    def _given_ids(self, request: GenerateInput) -> list[int]:
+        tokens = list(request.prompt_token_ids)
+        self.check_token_ids(tokens, "prompt_token_ids")
+        return tokens
+
+    def prompt_text(self, request: GenerateInput) -> tuple[str, bool] | None:
+        """The text to tokenize and whether the tokenizer adds its special tokens (a chat
+        is rendered with them); None for prompt_token_ids."""
         given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
         if sum(given) == 0:
             raise RequestError("empty prompt: set one of prompt, prompt_token_ids or messages")
         if sum(given) > 1:
             raise RequestError("set exactly one of prompt, prompt_token_ids or messages")
         if request.prompt_token_ids:
-            tokens = list(request.prompt_token_ids)
-            self.check_token_ids(tokens, "prompt_token_ids")
-        elif request.messages:
-            tokens = self.tokenizer.encode(self.render_chat(request.messages), add_special_tokens=False)
-        else:
-            tokens = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+            return None
+        if request.messages:
+            return self.render_chat(request.messages), False
+        return request.prompt, True
+
+    def check_prompt(self, tokens: list[int]) -> list[int]:
+        """`tokens` if the context and the pool can hold them; raises otherwise."""
         if not tokens:
             raise RequestError("the prompt tokenized to nothing; send some text")
         limit = self.info.max_model_len

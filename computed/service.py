@@ -21,6 +21,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from computed.admission_batch import AdmissionBatcher
 from computed.engine import ChunkSink, Engine, GenerationChunk
 from computed.errors import CapacityError, ModelFailed, RequestError, ShuttingDown
 from computed.logprobs import TokenLogprobs
@@ -127,6 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.tokenizer = tokenizer
         self.info = info
         self.policy = RequestPolicy(info, tokenizer)
+        self.admissions = AdmissionBatcher(self.policy)
 
     @streaming
     async def Generate(
@@ -161,6 +163,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         the update that ends it is built, so a reused key never meets its old chunks."""
         outbox: Outbox[GenerationChunk | Exception] = Outbox()
         live: dict[int, tuple[int, str]] = {}  # key -> (sequence id, request id)
+        # Keys whose admission is under way (a text prompt is tokenized with the others
+        # that came with it, `AdmissionBatcher`): the reader reads on meanwhile. A cancel
+        # for one of them aborts it as soon as it starts.
+        starting: dict[int, asyncio.Task[None]] = {}
+        cancelled: set[int] = set()
+
+        async def start(key: int, request: pb.GenerateRequest) -> None:
+            try:
+                await self._start_keyed(key, request, outbox, live)
+                if key in cancelled and key in live:
+                    self.engine.abort(live[key][0])
+            finally:
+                starting.pop(key, None)
+                cancelled.discard(key)
+                outbox.wake()
 
         async def read() -> None:
             try:
@@ -169,15 +186,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     action = message.WhichOneof("action")
                     key = message.key
                     if action == "cancel":
-                        if key in live:
+                        if key in starting:
+                            cancelled.add(key)
+                        elif key in live:
                             self.engine.abort(live[key][0])
                     elif action == "generate":
-                        if key in live:
+                        if key in live or key in starting:
                             raise RequestError(
                                 f"key {key} is in use by an unfinished request on this stream; "
                                 "use another key, or wait for its last update"
                             )
-                        await self._start_keyed(key, message.generate, outbox, live)
+                        starting[key] = asyncio.create_task(start(key, message.generate))
                     else:
                         raise RequestError("a GenerateManyRequest needs generate or cancel")
             finally:
@@ -193,7 +212,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield self._updates(taken, live)
                 if reader.done() and reader.exception() is not None:
                     raise reader.exception()  # type: ignore[misc]
-                if (reader.done() or not self.engine.is_accepting) and not live and not outbox.holds_any():
+                if (
+                    (reader.done() or not self.engine.is_accepting)
+                    and not live
+                    and not starting
+                    and not outbox.holds_any()
+                ):
                     return  # half-closed or draining, and every request answered to its end
         except grpc.aio.AbortError:
             raise
@@ -202,6 +226,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         finally:
             self.engine.drain_listeners.discard(outbox.wake)
             reader.cancel()
+            for task in list(starting.values()):
+                task.cancel()
             for sequence_id, _ in live.values():
                 self.engine.abort(sequence_id)  # the caller cancelled or went away
 
@@ -249,14 +275,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def _admit(self, request: pb.GenerateRequest) -> AdmittedRequest:
         if not self.engine.is_accepting:
             raise ShuttingDown("computed is shutting down; retry elsewhere")
-        given = _generate_input(request)
-        if given.prompt or given.messages:
-            # Tokenizing a long prompt takes a while: keep the event loop (every stream) free.
-            return await asyncio.to_thread(self.policy.admit, given)
-        # Token ids are only checked (18 us for 1,088): cheaper than the thread hop, which
-        # woke the loop once per request while a burst's first forward ran. The walls of
-        # `make bench-peer` did not move beyond this machine's noise either way.
-        return self.policy.admit(given)
+        return await self.admissions.admit(_generate_input(request))
 
     def _start(self, admitted: AdmittedRequest, sink: ChunkSink | None = None) -> tuple[int, Any]:
         return self.engine.add_request(

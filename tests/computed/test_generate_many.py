@@ -128,6 +128,46 @@ def test_cancel_ends_one_request_and_releases_its_blocks(stack):
     assert stack.wait_idle().num_referenced_blocks == 0
 
 
+def test_a_burst_of_text_prompts_reads_what_each_generate_reads(stack):
+    """Text prompts are tokenized together while the reader reads on (AdmissionBatcher):
+    each key still reads its own Generate's answer; a cancel sent right behind its
+    generate, while the prompt is being tokenized, still cancels it; a key whose
+    admission is under way is in use."""
+    texts = {
+        key: f"burst {key}: " + " ".join(f"w{key * 7 + i}" for i in range(30 + key)) for key in range(1, 13)
+    }
+    session = Session(stack)
+    for key, text in texts.items():
+        session._outgoing.put(
+            pb.GenerateManyRequest(
+                key=key, generate=pb.GenerateRequest(prompt=text, max_tokens=6, ignore_eos=True)
+            )
+        )
+    session._outgoing.put(
+        pb.GenerateManyRequest(
+            key=20, generate=pb.GenerateRequest(prompt=texts[1], max_tokens=500, ignore_eos=True)
+        )
+    )
+    session.cancel(20)
+    by_key = session.read_until(_all_ended([*texts, 20]))
+    for key, text in texts.items():
+        alone = list(stack.gen.Generate(pb.GenerateRequest(prompt=text, max_tokens=6, ignore_eos=True)))
+        assert _tokens(by_key[key]) == [t for r in alone for t in r.token_ids], f"key {key}"
+    assert by_key[20][-1].response.finish_reason == "cancelled"
+    assert len(_tokens(by_key[20])) < 500
+    session._outgoing.put(
+        pb.GenerateManyRequest(key=30, generate=pb.GenerateRequest(prompt=texts[2], max_tokens=3))
+    )
+    session._outgoing.put(
+        pb.GenerateManyRequest(key=30, generate=pb.GenerateRequest(prompt=texts[3], max_tokens=3))
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        session.read_until(lambda by_key: False)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "key 30 is in use" in caught.value.details()
+    assert stack.wait_idle().num_referenced_blocks == 0
+
+
 def test_a_key_in_use_ends_the_stream_with_invalid_argument_and_aborts_its_requests(stack):
     session = Session(stack)
     tokens = prompt(401, 3 * BLOCK)
