@@ -192,6 +192,15 @@ class Scheduler:
         ops.admits = self._plan_admits(ops)
         return ops if ops.admits else None
 
+    def plan_arrivals(self) -> DirectoryOps | None:
+        """Admissions only, for requests waiting while a forward runs (the engine sends them
+        at once, and applies blockd's answer after that forward and the Step sent with it);
+        None when none may go now. Commits, releases and grows wait for the next
+        `plan_ops`: the forward in flight is still changing them; the blocks their grows
+        will ask for are kept out of the admissions' budget all the same."""
+        admits = self._plan_admits(DirectoryOps(grows=self._grows()))
+        return DirectoryOps(admits=admits) if admits else None
+
     def _plan_admits(self, ops: DirectoryOps) -> list[AdmitOp]:
         """Admit waiting sequences in order, while seats and (roughly) blocks last. One whose
         prefix an admitted sequence is still computing waits for it (PrefixLeaders) and

@@ -386,6 +386,53 @@ def test_the_loop_serves_between_steps(tiny_models: TinyModels) -> None:
     assert all(a < b for a, b in itertools.pairwise(steps[:-1])), f"tokens arrived in bursts: steps {steps}"
 
 
+def test_a_request_that_arrives_during_a_forward_joins_the_next_one(tiny_models: TinyModels) -> None:
+    """With the forward on its own thread, a request that arrives while it runs is admitted
+    at once (an admissions-only Step) and computed by the very next forward; admitted by
+    the next iteration's Step instead, it joined the forward after that one."""
+
+    async def run() -> tuple[list[int], int, int, list[int], list[int]]:
+        engine, directory = build(tiny_models)
+        rows: list[int] = []
+        forward = engine.runner.run
+
+        def slow(inp):
+            rows.append(inp.num_chunks)
+            time.sleep(0.05)  # long enough for the arrival below to land inside it
+            return forward(inp)
+
+        engine.runner.run = slow
+        await engine.start()
+        try:
+            first = asyncio.create_task(generate(engine, PROMPT, max_tokens=12))
+            while len(rows) < 3:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.02)  # inside the third forward
+            running = len(rows)
+            second = asyncio.create_task(generate(engine, [90, *PROMPT[1:]], max_tokens=3))
+            a, b = await asyncio.gather(first, second)
+            await settle(engine)
+            assert num_referenced_blocks(directory) == 0
+        finally:
+            await engine.stop(drain_seconds=1)
+        return rows, running, engine.stats.num_early_admission_steps, token_ids(a), token_ids(b)
+
+    rows, running, early, a, b = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert rows.index(2) == running, f"forwards' rows {rows}; the second arrived during forward {running}"
+    assert early == 1
+    alone = asyncio.run(_alone(tiny_models, [90, *PROMPT[1:]], 3))
+    assert b == alone and len(a) == 12, "joining early changes no token"
+
+
+async def _alone(tiny_models: TinyModels, prompt: list[int], max_tokens: int) -> list[int]:
+    engine, _ = build(tiny_models)
+    await engine.start()
+    try:
+        return token_ids(await generate(engine, prompt, max_tokens=max_tokens))
+    finally:
+        await engine.stop(drain_seconds=1)
+
+
 def test_a_forward_thread_engine_keeps_no_record_of_fed_queues(tiny_models: TinyModels) -> None:
     """The queues a step fed are tracked for the turns between inline steps only: with the
     forward on its own thread (the default) the record is cleared every step, not grown."""
