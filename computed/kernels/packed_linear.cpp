@@ -5,8 +5,9 @@
 // reaches about a third of this machine's float32 peak (bench.attention_kernels, linear
 // block: 64 x 256 -> 1,376 at 21-34 GFLOP/s, 2,048 rows at 31-51). A static weight can be
 // laid out for the kernel once: panels of 16 output columns, K-major, so the inner loop
-// loads two vectors of weights and broadcasts one element of each of kRows rows of x
-// into 2 accumulators a row (kRows x 16 outputs held in registers for the whole of K).
+// loads a panel row of weights (one 16-lane vector with AVX-512, two 8-lane ones with AVX2)
+// and broadcasts one element of each of kRows rows of x into its accumulators (kRows x 16
+// outputs held in registers for the whole of K).
 //
 // Numerics: every output is one fused multiply-add chain over k = 0..K-1 in order from
 // zero, then + bias. That is the same for every row whatever the batch, its place in the
@@ -69,7 +70,7 @@
 
 #include "vec.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if (defined(__AVX512BF16__) && defined(__AVX512VL__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -85,13 +86,15 @@ namespace {
 using namespace kvcache_vec;
 
 constexpr int64_t kPanel = 16;  // output columns per panel: two 8-lane vectors
-// Rows of x per register block: 2 accumulators a row + 2 weights + 1 broadcast. Six fill
-// AVX2's 16 vector registers; with AVX-512's 32 (ymm16-31), eight: an 8-row decode step
-// reads each panel once, not twice (6 + 2 rows). 2-core Zen 4, the default model's 17
-// products: 8 rows 0.43 -> 0.35 ms, 16 rows 0.73 -> 0.65, 64 rows 2.66 -> 2.56, 2,048
-// rows alike; 12 rows lost at 16 and 64.
+// Rows of x per register block. 8-lane (AVX2): 2 accumulators a row + 2 weights + 1
+// broadcast; six fill the 16 vector registers. 16-lane (AVX-512, one accumulator a row,
+// `accumulate16`): twelve of the 32, so each weight vector loaded feeds 12 FMAs (8 rows: 9
+// loads for 8 FMAs, bound by the loads). 2-core Zen 5 (family 26), x (M, K) W^T in GFLOP/s,
+// float32 / bfloat16 products, against the 8-lane kernel at 8 rows: 2,048 x 256 -> 1,376
+// 244 / 445 -> 431 / 799; 64 rows 251 / 484 -> 414 / 724; 16 rows a block lost to 12
+// (396 / 741 at 2,048).
 #if defined(KVCACHE_V16)
-constexpr int kRows = 8;
+constexpr int kRows = 12;
 #else
 constexpr int kRows = 6;
 #endif
@@ -189,9 +192,74 @@ inline void accumulate(const float* x, int64_t k, const W* panel, v8* lo, v8* hi
   }
 }
 
+#if defined(KVCACHE_V16)
+// The same chains with one 16-lane vector a row (a panel's 16 columns in order) where
+// AVX-512 is: a 512-bit FMA does the work of two 256-bit ones on a core with full-width
+// units (this machine's Zen 5: 264 against 124 GFLOP/s a core, a register-resident FMA
+// loop), and the same work in the same order on one that splits them (Zen 4). Each output
+// is still its one chain over k in order, so the results are the 8-lane path's bit for bit.
+inline v16 joined(v8 lo, v8 hi) {
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+inline v16 weights16(const float* panel, int64_t i) { return load16(panel + i * kPanel); }
+
+inline v16 weights16(const uint32_t* panel, int64_t i) {
+  v8 w0, w1;
+  weights(panel, i, w0, w1);
+  return joined(w0, w1);
+}
+
+template <int R, class W>
+inline void accumulate16(const float* x, int64_t k, const W* panel, v16* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = splat16(0.f);
+  for (int64_t i = 0; i < k; ++i) {
+    const v16 w = weights16(panel, i);
+    for (int r = 0; r < R; ++r) acc[r] += splat16(x[r * k + i]) * w;
+  }
+}
+
+template <int R>
+inline void accumulate16(const uint32_t* xw, int64_t k2, const DotWord* panel, v16* acc) {
+#if defined(__AVX512BF16__)
+  for (int r = 0; r < R; ++r) acc[r] = splat16(0.f);
+  for (int64_t i = 0; i < k2; ++i) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(&panel[i * kPanel].bits);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xw[r * k2 + i]));
+      acc[r] = (v16)_mm512_dpbf16_ps((__m512)acc[r], a, w);
+    }
+  }
+#else
+  v8 lo[R], hi[R];
+  accumulate<R>(xw, k2, panel, lo, hi);
+  for (int r = 0; r < R; ++r) acc[r] = joined(lo[r], hi[r]);
+#endif
+}
+#endif
+
 // y[r, 0..cols) (+ bias) for R rows of x against one panel.
 template <int R, class X, class W>
 inline void block(const X* x, int64_t k, const W* panel, const float* bias, float* y, int64_t n, int64_t cols) {
+#if defined(KVCACHE_V16)
+  v16 acc[R];
+  accumulate16<R>(x, k, panel, acc);
+  if (bias != nullptr) {
+    float b[kPanel] = {};
+    std::copy(bias, bias + cols, b);
+    const v16 bv = load16(b);
+    for (int r = 0; r < R; ++r) acc[r] += bv;
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == kPanel) {
+      store16(y + r * n, acc[r]);
+    } else {
+      float tmp[kPanel];
+      store16(tmp, acc[r]);
+      std::copy(tmp, tmp + cols, y + r * n);
+    }
+  }
+#else
   v8 lo[R], hi[R];
   accumulate<R>(x, k, panel, lo, hi);
   if (bias != nullptr) {
@@ -214,25 +282,27 @@ inline void block(const X* x, int64_t k, const W* panel, const float* bias, floa
       std::copy(tmp, tmp + cols, y + r * n);
     }
   }
+#endif
 }
 
 // f(std::integral_constant<int, R>, r) for the blocks of R rows starting at r that cover
 // [row_lo, row_hi): kRows at a time, then one block of the rest.
+template <int R, class F>
+inline void remainder_block(int64_t rest, int64_t r, F& f) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      f(std::integral_constant<int, R>{}, r);
+    } else {
+      remainder_block<R - 1>(rest, r, f);
+    }
+  }
+}
+
 template <class F>
 inline void for_row_blocks(int64_t row_lo, int64_t row_hi, F f) {
   int64_t r = row_lo;
   for (; r + kRows <= row_hi; r += kRows) f(std::integral_constant<int, kRows>{}, r);
-  static_assert(kRows <= 8, "the remainder cases below");
-  switch (row_hi - r) {
-    case 7: f(std::integral_constant<int, 7>{}, r); break;
-    case 6: f(std::integral_constant<int, 6>{}, r); break;
-    case 5: f(std::integral_constant<int, 5>{}, r); break;
-    case 4: f(std::integral_constant<int, 4>{}, r); break;
-    case 3: f(std::integral_constant<int, 3>{}, r); break;
-    case 2: f(std::integral_constant<int, 2>{}, r); break;
-    case 1: f(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
+  remainder_block<kRows - 1>(row_hi - r, r, f);
 }
 
 // Words of W in one row of a panel (k, or the pair i for a dot panel): 16 weights.
@@ -264,14 +334,28 @@ void rows_by_panels(const X* x, const W* packed, const float* bias, float* y, in
 // the same values, bit for bit, as packed_linear then silu_mul.
 template <int R, class X, class W>
 inline void swiglu_block(const X* x, int64_t k, const W* gate_panel, const W* up_panel, float* y, int64_t n) {
+  float gate[R][kPanel];  // to L1: the up panel's accumulators need the registers
+#if defined(KVCACHE_V16)
+  v16 acc[R];
+  accumulate16<R>(x, k, gate_panel, acc);
+  for (int r = 0; r < R; ++r) store16(gate[r], acc[r]);
+  accumulate16<R>(x, k, up_panel, acc);
+  v8 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    float up[kPanel];
+    store16(up, acc[r]);
+    lo[r] = load(up);
+    hi[r] = load(up + 8);
+  }
+#else
   v8 lo[R], hi[R];
   accumulate<R>(x, k, gate_panel, lo, hi);
-  float gate[R][kPanel];  // to L1: the up panel's accumulators need the registers
   for (int r = 0; r < R; ++r) {
     store(gate[r], lo[r]);
     store(gate[r] + 8, hi[r]);
   }
   accumulate<R>(x, k, up_panel, lo, hi);
+#endif
   const v8 one = splat(1.f);
   for (int r = 0; r < R; ++r) {
     const v8 g0 = load(gate[r]), g1 = load(gate[r] + 8);
