@@ -204,10 +204,21 @@ inline v16 joined(v8 lo, v8 hi) {
 
 inline v16 weights16(const float* panel, int64_t i) { return load16(panel + i * kPanel); }
 
+// A bfloat16 panel's row as 16 float32 weights in the words' order, columns interleaved
+// (lane 2j: column j, lane 2j + 1: column j + 8): one widening load and a shift, where the
+// columns' own order took two more shuffles a k. `deinterleaved` puts a row's sums back.
 inline v16 weights16(const uint32_t* panel, int64_t i) {
-  v8 w0, w1;
-  weights(panel, i, w0, w1);
-  return joined(w0, w1);
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + i * (kPanel / 2)));
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16);
+}
+
+template <class W>
+constexpr bool interleaved() {
+  return std::is_same_v<W, uint32_t>;
+}
+
+inline v16 deinterleaved(v16 acc) {
+  return __builtin_shufflevector(acc, acc, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 template <int R, class W>
@@ -216,6 +227,9 @@ inline void accumulate16(const float* x, int64_t k, const W* panel, v16* acc) {
   for (int64_t i = 0; i < k; ++i) {
     const v16 w = weights16(panel, i);
     for (int r = 0; r < R; ++r) acc[r] += splat16(x[r * k + i]) * w;
+  }
+  if constexpr (interleaved<W>()) {
+    for (int r = 0; r < R; ++r) acc[r] = deinterleaved(acc[r]);
   }
 }
 
