@@ -478,7 +478,10 @@ class Engine:
                     wanted = True
                     self._arrived.clear()
                 # One early Step at a time: arrivals during its round trip go in the next.
+                # None once blockd is unreachable: the next iteration recovers first.
                 if forward.done() or not wanted or (sent is not None and not sent.done()):
+                    continue
+                if self.needs_recovery or (sent is not None and _failed(sent)):
                     continue
                 wanted = False
                 admits = self.scheduler.plan_arrivals()
@@ -672,6 +675,11 @@ class Engine:
         )
         req.last(req.output.finish(stopped=stopped or reason == "cancelled"), reason, usage)
         self._fed.append(req.queue)
+
+
+def _failed(step: asyncio.Task[DirectoryResult | None]) -> bool:
+    """A finished Step that got no answer (its error, if any, is raised where it is awaited)."""
+    return step.cancelled() or step.exception() is not None or step.result() is None
 
 
 class _BurstSteps:
