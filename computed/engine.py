@@ -459,11 +459,14 @@ class Engine:
     ) -> None:
         """`_forward` on the compute thread; requests that arrive meanwhile are admitted at
         once by admissions-only Steps, one in flight at a time (appended to `early`, in the
-        order sent), so they join the next forward. Why: admitted by the next iteration's Step, sent
-        alongside the next forward, they joined the forward after it, a whole step later:
-        45 ms of every arrival's time to first token while 1,040-token prompts were being
-        computed (`bench.serving_http`, unrelated, 2 cores), where vLLM's scheduler, whose
-        cache is in process, takes an arrival into its next step."""
+        order sent), so they join the next forward.
+
+        Why: admitted by the next iteration's Step, sent alongside the next forward, they
+        joined the forward after it, a whole step later: 45 ms of every arrival's time to
+        first token while 1,040-token prompts were being computed (`bench.serving_http`,
+        unrelated, 2 cores), where vLLM's scheduler, whose cache is in process, takes an
+        arrival into its next step. Exact all the same: a request whose prefix a running
+        sequence is still computing waits for it (`Scheduler.plan_arrivals`)."""
         forward = asyncio.ensure_future(self._forward(chunks))
         self._arrived.clear()
         sent: asyncio.Task[DirectoryResult | None] | None = None  # the early Step in flight
