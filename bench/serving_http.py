@@ -51,6 +51,7 @@ WORKLOADS = {
     "unrelated": ["--dataset-name", "random", "--random-input-len", "1040", "--random-output-len", "64"],
 }  # fmt: skip
 DTYPES = ("float32", "bfloat16")
+ROUNDS = 2  # runs a side per workload and dtype, in turns; each side keeps its best
 # computed keeps torch's default threads (one per core). Tried: every core but one, left to
 # the gateway, blockd and the client: the shared workload (streaming-bound) did better on
 # the 2-core machine while others ran (6 interleaved pairs, bfloat16: median 2,150 output
@@ -64,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="runs a side per workload, in turns")
     parser.add_argument(
         "--out", type=Path, default=None, help="where the result JSONs go (default: a temp dir)"
     )
@@ -79,7 +81,7 @@ def run(ctx: BenchContext) -> BenchResult:
     from bench.report import BenchResult, Figure, Goal
 
     num_prompts = 32 if ctx.quick else 128
-    args = argparse.Namespace(num_prompts=num_prompts, concurrency=32)
+    args = argparse.Namespace(num_prompts=num_prompts, concurrency=32, rounds=1 if ctx.quick else ROUNDS)
     rows = measure(ctx.scratch("serving"), args)
     figures = []
     for name, ours, theirs in best_rows(rows):
@@ -95,6 +97,7 @@ def run(ctx: BenchContext) -> BenchResult:
         figures.append(Figure(f"ours ÷ vLLM output tok/s, {name}", round(throughput, 2), "x", None))
     details = (
         f"`vllm bench serve` (vLLM 0.32's CLI from .venv-vllm), {num_prompts} requests, 32 in flight, streamed, "
+        f"{args.rounds} rounds a side in turns (seeds 0..{args.rounds - 1}), each side's best run kept, "
         "64 tokens out, `--ignore-eos`, against our stack (blockd + one computed + the gateway) and vLLM's "
         "OpenAI server (block size 32), same model, same machine; per dtype (float32, then bfloat16) each "
         "workload runs on vLLM's server and then on ours. The headline rows compare each side's fastest "
@@ -132,10 +135,21 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
             vllm, vllm_url = _start_vllm(out, dtype)
             try:
                 for name, flags in WORKLOADS.items():
-                    tag = f"{name}_{dtype}"
-                    theirs = _bench(vllm_url, name, flags, out / f"vllm_{tag}.json", args)
-                    ours = _bench(f"http://{gateway.address}", name, flags, out / f"ours_{tag}.json", args)
-                    rows.append((f"{name}, {dtype}", ours, theirs))
+                    # Rounds in turns, each side keeping its best (a baseline must be the best
+                    # its library does): one run a side moved either side's figure by 20-40%
+                    # between runs of the same code on this 2-core machine. Each round has its
+                    # own seed, so no round finds another's prompts cached.
+                    best: dict[str, dict] = {}
+                    for seed in range(args.rounds):
+                        tag = f"{name}_{dtype}_{seed}"
+                        for side, url in (("vllm", vllm_url), ("ours", f"http://{gateway.address}")):
+                            result = _bench(url, name, flags, out / f"{side}_{tag}.json", args, seed)
+                            if (
+                                side not in best
+                                or result["output_throughput"] > best[side]["output_throughput"]
+                            ):
+                                best[side] = result
+                    rows.append((f"{name}, {dtype}", best["ours"], best["vllm"]))
             finally:
                 vllm.terminate()
                 vllm.wait(60)
@@ -162,12 +176,14 @@ def table(rows: list[tuple[str, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
-def _bench(base_url: str, name: str, flags: list[str], result: Path, args: argparse.Namespace) -> dict:
+def _bench(
+    base_url: str, name: str, flags: list[str], result: Path, args: argparse.Namespace, seed: int = 0
+) -> dict:
     command = [
         str(VENV / "bin" / "python"), str(REPO / "bench" / "peer" / "vllm_cli.py"), "bench", "serve",
         "--backend", "openai", "--base-url", base_url, "--model", MODEL, "--tokenizer", str(MODEL_DIR),
         *flags, "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-        "--ignore-eos", "--seed", "0", "--save-result", "--result-filename", str(result),
+        "--ignore-eos", "--seed", str(seed), "--save-result", "--result-filename", str(result),
     ]  # fmt: skip
     with open(result.with_suffix(".log"), "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=1800, cwd=REPO)
