@@ -243,7 +243,7 @@ def test_sigterm_drains_the_streams_requests_refuses_new_ones_and_ends_the_strea
     import signal
     import time
 
-    own = _stack(tmp_path_factory, "llama", "--num-blocks", "512", "--drain-seconds", "30")
+    own = _stack(tmp_path_factory, "llama", "--num-blocks", "512", "--drain-seconds", "120")
     try:
         idle = Session(own)  # a stream with nothing in flight when the drain begins
         idle.generate(1, prompt(700, BLOCK), 2)
