@@ -131,10 +131,27 @@ def test_the_gate_stays_open_where_both_sides_return_about_as_often():
     # the conversation trace: admitted victims return a little more often than probation
     # ones; an ARC-like walk drifted closed there and cost 3-6% of lru's hits
     policy = GatedPolicy()
-    _victims(policy, probation_returns=0.2, admitted_returns=0.3, n=20_000)
+    _victims(policy, probation_returns=0.1, admitted_returns=0.15, n=20_000)
     assert policy.gate == 0.0
-    _victims(policy, probation_returns=0.05, admitted_returns=0.3, n=20_000)
+    _victims(policy, probation_returns=0.025, admitted_returns=0.15, n=20_000)
     assert 0.0 < policy.gate < GatedPolicy.MAX_PENALTY  # 6x as often: partly closed
+
+
+def test_the_gate_closes_where_the_pool_thrashes():
+    # long-conversation at 5-10%: reuse gaps a little longer than the pool, a third or more
+    # of all victims come back, admitted ones ~1.15x as often as probation ones; a stable
+    # admitted set that outlives the gap is what hits (lru+seen2's gain)
+    policy = GatedPolicy()
+    _victims(policy, probation_returns=0.32, admitted_returns=0.37, n=20_000)
+    assert policy.gate == GatedPolicy.THRASH_GATE
+    # the same ratio where few victims return: no thrashing, the gate stays open
+    quiet = GatedPolicy()
+    _victims(quiet, probation_returns=0.08, admitted_returns=0.092, n=20_000)
+    assert quiet.gate == 0.0
+    # probation victims returning more often (chat at 2%): open, however many return
+    chat = GatedPolicy()
+    _victims(chat, probation_returns=0.63, admitted_returns=0.58, n=20_000)
+    assert chat.gate == 0.0
 
 
 def test_under_pressure_one_offs_go_before_a_reused_prefix_released_earlier():
