@@ -437,20 +437,19 @@ class Engine:
         elif chunks:
             await self._forward(chunks)
         if rpc is not None:
-            started = time.monotonic()
-            result = await rpc  # usually done already: it travelled while the model ran
-            self.stats.directory_wait_seconds += time.monotonic() - started
-            if result is not None:
-                self.scheduler.apply_result(ops, result)
-                await self._copy_blocks()
+            await self._apply_answer(ops, rpc)  # usually done already: it travelled while the model ran
         # In the order they were sent (the Step stream answers in order): after `ops`.
         for admits, task in early:
-            started = time.monotonic()
-            result = await task
-            self.stats.directory_wait_seconds += time.monotonic() - started
-            if result is not None:
-                self.scheduler.apply_result(admits, result)
-                await self._copy_blocks()
+            await self._apply_answer(admits, task)
+
+    async def _apply_answer(self, ops: DirectoryOps, step: asyncio.Task[DirectoryResult | None]) -> None:
+        """blockd's answer to `ops` (None: the Step failed, `_step` said so), then its copies."""
+        started = time.monotonic()
+        result = await step
+        self.stats.directory_wait_seconds += time.monotonic() - started
+        if result is not None:
+            self.scheduler.apply_result(ops, result)
+            await self._copy_blocks()
 
     async def _forward_admitting(
         self,

@@ -202,8 +202,8 @@ class RequestPolicy:
         return tokens
 
     def prompt_text(self, request: GenerateInput) -> tuple[str, bool] | None:
-        """The text to tokenize and whether the tokenizer adds its special tokens (a chat
-        is rendered with them); None for prompt_token_ids."""
+        """The text to tokenize and whether the tokenizer adds its special tokens (not for a
+        chat: its template writes them); None for prompt_token_ids."""
         given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
         if sum(given) == 0:
             raise RequestError("empty prompt: set one of prompt, prompt_token_ids or messages")
