@@ -44,6 +44,7 @@ from blockd import native
 from blockd.auth import BearerAuth
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
+from blockd.server import GC_THRESHOLDS
 from blockd.service import BlockDirectoryService
 from blockd.types import Namespace
 from kvcache.v1 import directory_pb2 as pb
@@ -108,7 +109,7 @@ def measure(rounds: int, steps: int, profile: bool = False) -> dict:
     # Restored after: `python -m bench` runs other benchmarks in this process.
     thresholds = gc.get_threshold()
     gc.collect()
-    gc.set_threshold(50_000, 20, 100)
+    gc.set_threshold(*GC_THRESHOLDS)
     gc.freeze()
     try:
         per_admission = []

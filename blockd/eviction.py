@@ -536,7 +536,9 @@ class GatedPolicy:
         self.decay = self.DECAY if rate <= 1 else 1 - min(0.5, (1 - self.DECAY) * rate)
         self.min_evidence = max(1, round(self.MIN_EVIDENCE / max(1.0, rate)))
         self._gate = self.INITIAL_GATE  # horizons
-        self._leader = self  # whose gate and horizon set the penalty (`follow`)
+        # whose gate and horizon set the penalty (`follow`); None: its own. Never `self`: a
+        # reference cycle would outlive blockd's young collections (blockd.server._tune_gc)
+        self._leader: GatedPolicy | None = None
         # decayed victims and returns per side (on probation, admitted), in inflated units as
         # the inner policy's counters: an event adds `_scale`, nothing is multiplied per eviction
         self._victims = [0.0, 0.0]
@@ -568,7 +570,7 @@ class GatedPolicy:
     @property
     def penalty(self) -> float:
         """Release ticks a block on probation is aged by."""
-        leader = self._leader
+        leader = self._leader or self
         return leader.gate * max(leader.gate_horizon, self.inner.MIN_HORIZON)
 
     @property
@@ -584,12 +586,12 @@ class GatedPolicy:
     def admits(self, block: Block) -> bool:
         """Whether the gate would keep `block` now: seen before, or the gate is open. For
         write rules outside the pool's eviction (a shared-tier write through)."""
-        return block.num_seen + block.num_hits >= 2 or self._leader.gate == 0.0
+        return block.num_seen + block.num_hits >= 2 or (self._leader or self).gate == 0.0
 
     def priority(self, block: Ranked) -> Priority:
         value, tick, uses, run = self.inner.priority(block)
         if uses < 2:
-            leader = self._leader
+            leader = self._leader or self
             if leader._stale:
                 leader._regate()
             if leader._gate:

@@ -84,6 +84,24 @@ class ResyncPlan:
     prompt: Prompt
 
 
+class WorthKeeping:
+    """The admission rule of demotion and write-through: seen more than `min_hits` times
+    (computed once plus hit since, fleet-wide when blockd counts sightings), and admitted
+    by the eviction policy's gate when it has one (issue 44: the device, host and shared
+    tiers decide with the same gate; a block on probation is demoted or written once a
+    hit admits it)."""
+
+    def __init__(self, min_hits: int, sightings: Sightings | None, policy: EvictionPolicy) -> None:
+        self.min_hits = min_hits
+        self.sightings = sightings
+        self.policy = policy
+
+    def __call__(self, block: Block) -> bool:
+        local = block.num_hits + 1
+        seen = local if self.sightings is None else max(local, self.sightings.count(block.block_hash))
+        return seen > self.min_hits and admits(self.policy, block)
+
+
 class BlockPool:
     """Blocks, hash index, free list, evictable leaves and sequences of one pool."""
 
@@ -129,6 +147,9 @@ class BlockPool:
         # Hashes that left the index (bounded; without one, nothing is remembered).
         self.ghosts = ghosts if ghosts is not None else GhostTable(0, lambda: 0.0)
         self.last_miss: Miss | None = None  # the last admission's classification
+        # Not a bound method of the pool: the tiers hold it, and a cycle through the pool
+        # would outlive blockd's young collections (blockd.server._tune_gc).
+        self._worth_keeping = WorthKeeping(demote_min_hits, self.sightings, policy)
         setup = TierSetup(
             pool_id,
             block_size,
@@ -824,16 +845,6 @@ class BlockPool:
         return dropped, None, None
 
     # ------------------------------------------------------------ lower tiers
-
-    def _worth_keeping(self, block: Block) -> bool:
-        """The admission rule of demotion and write-through: seen more than
-        `demote_min_hits` times (computed once plus hit since, fleet-wide when blockd
-        counts sightings), and admitted by the eviction policy's gate when it has one
-        (issue 44: the device, host and shared tiers decide with the same gate; a block
-        on probation is demoted or written once a hit admits it)."""
-        local = block.num_hits + 1
-        seen = local if self.sightings is None else max(local, self.sightings.count(block.block_hash))
-        return seen > self.demote_min_hits and admits(self.leaves.policy, block)
 
     def _see_hits(self, hits: list[Block], found: list[tuple[LowerTier, list[Any]]]) -> None:
         """An admission's hits are sightings: the pool's records (device, then the tier
