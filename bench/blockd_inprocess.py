@@ -95,8 +95,9 @@ class Replay:
             for worker in self.workers:
                 data, admits = worker.next_request()
                 start = clock()
-                reply = serve(parse(data).step)
-                wrap(step=reply).SerializeToString()
+                answer = wrap()  # as the servicer's StepStream: the answer filled in place
+                reply = serve(parse(data).step, answer.step)
+                answer.SerializeToString()
                 cpu += clock() - start
                 admitted += worker.answered(admits, reply)
         return cpu, admitted

@@ -189,7 +189,7 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
     @unary
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         self._auth.check(context.invocation_metadata())
-        return self._step(request)
+        return self._step(request, pb.StepResponse())
 
     async def StepStream(
         self, requests: AsyncIterator[pb.StepStreamRequest], context: grpc.aio.ServicerContext
@@ -200,13 +200,16 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             self._auth.check(context.invocation_metadata())
             async for request in requests:
                 _reject_malformed(request)
-                yield pb.StepStreamResponse(step=self._step(request.step))
+                answer = pb.StepStreamResponse()
+                self._step(request.step, answer.step)  # filled in place: no copy of the answer
+                yield answer
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure must become a status
             await _abort(context, "StepStream", exc)
 
-    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+    def _step(self, request: pb.StepRequest, reply: pb.StepResponse) -> pb.StepResponse:
+        """Applies `request` and writes its answer into `reply` (empty); answers it."""
         commits, releases, grows, admits = messages.step_ops_from(request)
         result = self._directory.step(
             PoolId(request.pool_id),
@@ -219,23 +222,24 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             request.shared_failed,
             request.shared_missing,
         )
-        reply = pb.StepResponse(
-            num_free_blocks=result.num_free_blocks, num_evictable_blocks=result.num_evictable_blocks
-        )
+        reply.num_free_blocks = result.num_free_blocks
+        reply.num_evictable_blocks = result.num_evictable_blocks
         for block_id, host_block_id in result.demotions:
             reply.demotions.add(block_id=block_id, host_block_id=host_block_id)
         reply.shared_stores.extend(messages.shared_block_to(b) for b in result.shared_stores)
         for grow in result.grows:
             reply.grows.add(sequence_id=grow.sequence_id, grown=grow.grown, new_block_ids=grow.new_block_ids)
         for admit in result.admits:
-            reply.admits.add(
+            added = reply.admits.add(
                 sequence_id=admit.sequence_id,
                 admitted=admit.admitted,
                 block_ids=admit.block_ids,
                 num_cached_tokens=admit.num_cached_tokens,
-                loads=[pb.BlockCopy(block_id=b, host_block_id=h) for b, h in admit.loads],
-                shared_loads=[messages.shared_block_to(b) for b in admit.shared_loads],
             )
+            if admit.loads:
+                added.loads.extend(pb.BlockCopy(block_id=b, host_block_id=h) for b, h in admit.loads)
+            if admit.shared_loads:
+                added.shared_loads.extend(messages.shared_block_to(b) for b in admit.shared_loads)
         return reply
 
     @unary
