@@ -34,6 +34,7 @@ class CountingTokenizer(ByteTokenizer):
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.batches: list[int] = []
+        self.threads: set[int] = set()
         self.gate = gate
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -43,6 +44,7 @@ class CountingTokenizer(ByteTokenizer):
         if self.gate is not None:
             assert self.gate.wait(10), "the test never opened the gate"
         self.batches.append(len(texts))
+        self.threads.add(threading.get_ident())
         return [list(t.encode()) for t in texts]
 
 
@@ -68,16 +70,16 @@ def test_admit_many_answers_what_admit_answers_for_each_request() -> None:
     assert kinds.count("ok") == 3 and kinds.count("RequestError") == 7, kinds
 
 
-def _batcher(tokenizer: CountingTokenizer) -> AdmissionBatcher:
+def _batcher(tokenizer: CountingTokenizer, chunk_size: int = 8) -> AdmissionBatcher:
     p = policy()
     p.tokenizer = tokenizer
-    return AdmissionBatcher(p)
+    return AdmissionBatcher(p, chunk_size)
 
 
 def test_a_burst_of_text_prompts_is_tokenized_together_and_answered_in_call_order() -> None:
     gate = threading.Event()  # holds the batch until every caller waits on it
     tokenizer = CountingTokenizer(gate)
-    batcher = _batcher(tokenizer)
+    batcher = _batcher(tokenizer, chunk_size=8)
     prompts = [GenerateInput(prompt=f"prompt {i}") for i in range(32)]
     resumed: list[int] = []
 
@@ -93,8 +95,10 @@ def test_a_burst_of_text_prompts_is_tokenized_together_and_answered_in_call_orde
         return await asyncio.gather(*tasks)
 
     results = asyncio.run(main())
-    # All 32 queued before the drain task first ran: one batch (a per-request hop gives 32).
-    assert tokenizer.batches == [32]
+    # All 32 queued before the drain task first ran: one batch, one hop to one thread (a
+    # per-request hop gives 32), tokenized a chunk at a time.
+    assert tokenizer.batches == [8, 8, 8, 8]
+    assert len(tokenizer.threads) == 1
     assert resumed == list(range(32))
     assert [r.prompt_token_ids for r in results] == [list(p.prompt.encode()) for p in prompts]
 
@@ -139,3 +143,35 @@ def test_token_id_prompts_are_checked_inline_without_the_tokenizer() -> None:
     assert tokenizer.batches == []
     with pytest.raises(RequestError, match="out of range"):
         asyncio.run(batcher.admit(GenerateInput(prompt_token_ids=[999])))
+
+
+def test_a_chunk_s_callers_are_answered_before_the_next_chunk_is_tokenized() -> None:
+    """The first prompts of a burst reach the engine after their own chunk's time, not the
+    whole burst's."""
+    second_chunk = threading.Event()
+    answered_first: list[int] = []
+
+    class HeldSecondChunk(CountingTokenizer):
+        def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+            if self.batches:  # the second chunk waits until the first one's callers resumed
+                assert second_chunk.wait(10), "the first chunk's callers were never answered"
+            return super().encode_many(texts, add_special_tokens)
+
+    tokenizer = HeldSecondChunk()
+    batcher = _batcher(tokenizer, chunk_size=2)
+
+    async def one(i: int) -> AdmittedRequest:
+        admitted = await batcher.admit(GenerateInput(prompt=f"p{i}"))
+        if i < 2:
+            answered_first.append(i)
+            if len(answered_first) == 2:
+                second_chunk.set()
+        return admitted
+
+    async def main() -> list[AdmittedRequest]:
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    results = asyncio.run(main())
+    assert answered_first == [0, 1]
+    assert tokenizer.batches == [2, 2]
+    assert [r.prompt_token_ids for r in results] == [list(f"p{i}".encode()) for i in range(4)]
