@@ -1,5 +1,5 @@
-"""blockd's garbage collection settings, side by side: tuned (thresholds raised, the
-start-up heap frozen: `blockd.server._tune_gc`) against CPython's defaults.
+"""blockd's garbage collection settings, side by side: tuned (young collections only,
+the start-up heap frozen: `blockd.server._tune_gc`) against CPython's defaults.
 
 Two blockd processes, one each way (BLOCKD_GC=default), serve the open loop of
 bench.blockd_grpc (8 workers, 4,096-token prompts) at the same offered rate, in turns
