@@ -75,7 +75,12 @@ HEADLINES = {
         ("sharded_over_one_closed_steps", "fleet maximum, 2 shards ÷ one process", "x", Goal(">=", 1.8)),
     ],
     "bench.blockd_gc": [
-        ("tuned_step_p99_ms", "open loop Step p99, gc tuned (young collections only, start-up heap frozen)", "ms", None),
+        (
+            "tuned_step_p99_ms",
+            "open loop Step p99, gc tuned (young collections only, start-up heap frozen)",
+            "ms",
+            None,
+        ),
         (
             "default_step_p99_ms",
             "open loop Step p99, CPython's gc defaults (same rate, in turns)",
