@@ -15,7 +15,7 @@ import pytest
 
 from blockd.eviction import POLICY_NAMES
 from blockd.server import GC_THRESHOLDS
-from blockd.types import HostSpec
+from blockd.types import CommitOp, HostSpec, Tier
 from tests.blockd.helpers import NAMESPACE, harness
 
 BS = 4
@@ -44,7 +44,7 @@ def _cycles_left() -> list[str]:
         gc.set_debug(flags)
 
 
-def _churn(h, seed: int, rounds: int) -> None:
+def _churn(h, seed: int, rounds: int, write_shared: bool = False) -> None:
     """Requests over a few shared prefixes with unique tails, through a pool far smaller
     than what they touch: hits, misses, evictions and grows of the tables."""
     rng = random.Random(seed)
@@ -53,8 +53,14 @@ def _churn(h, seed: int, rounds: int) -> None:
         tokens = prefixes[sequence_id % 4] + [rng.randrange(50_000) for _ in range(rng.randrange(1, 4 * BS))]
         result = h.admit(sequence_id, tokens)
         assert result.admitted
-        # blocks loaded from the host tier are committed with the prefill's
-        h.commit_full(sequence_id, tokens, result.num_cached_tokens - len(result.loads) * BS)
+        # blocks loaded from a lower tier are committed with the prefill's
+        loaded = len(result.loads) + len(result.shared_loads)
+        first, last = result.num_cached_tokens // BS - loaded, len(tokens) // BS
+        if last > first:
+            table = h.tables[sequence_id]
+            step = h.step(commits=[CommitOp(sequence_id, table[first:last], tokens[first * BS : last * BS])])
+            if write_shared and step.shared_stores:  # the worker wrote them: now findable
+                h.step(shared_written=[store.block_hash for store in step.shared_stores])
         h.release(sequence_id)
 
 
@@ -97,6 +103,19 @@ def test_resetting_a_pool_leaves_no_cycles(collector_off, host, policy):
     _churn(h, 3, 50)
     h.directory.resync(h.pool_id, h.epoch, [])
     _churn(h, 4, 50)
+    assert _cycles_left() == []
+
+
+def test_with_the_shared_tier_neither_the_step_path_nor_a_flush_leaves_cycles(collector_off):
+    """Shared records link parent and children both ways while resident: leaving the
+    index (evicted past its bound, flushed, reset) must undo it."""
+    h = harness(num_blocks=8, block_size=BS, host=HostSpec(16, has_shared_tier=True))
+    _churn(h, 5, 100, write_shared=True)
+    assert h.directory.stats().total.shared.num_blocks > 0  # the shared tier held blocks
+    h.directory.flush(tier=Tier.SHARED)
+    h.directory.resync(h.pool_id, h.epoch, [])
+    h.tables.clear()
+    _churn(h, 6, 50, write_shared=True)
     assert _cycles_left() == []
 
 
