@@ -32,7 +32,8 @@ Not used: mypyc's `acyclic` classes (instances the collector never tracks, which
 directory's records could be: they hold no cycles). Deallocating a chain of them deeper than
 CPython's trashcan limit (a 4,096-token prompt's 256 blocks) crashed the process
 (`bench.blockd_inprocess`, mypy 2.4, CPython 3.11): the trashcan needs the GC header
-acyclic instances lack. So the records stay tracked, and the collector's pauses remain.
+acyclic instances lack. So the records stay tracked; `blockd.server._tune_gc` keeps the
+collector's pauses short instead (young collections only).
 """
 
 from __future__ import annotations
