@@ -206,7 +206,7 @@ def _tune_gc() -> None:
     scanned again, so each object is scanned once and a pause is one young collection.
     Measured (`bench.blockd_fleet`'s open loop, 64 workers at a GPU's rate): with young
     collections every 50,000 and an older one every 20 of them, each young one paused
-    Steps 24-34 ms and the older ones 41 ms, and the Step p99 was 28-46 ms; survivors
+    Steps 24-34 ms and the older ones 41 ms, and the Step p99 was 28-48 ms; survivors
     left alone, young collections every 5,000 paused at most 4.7 ms (p99 4.8-5.4 ms),
     every 2,000 at most 3.3 ms (p99 2.5-3.9 ms).
 
