@@ -251,7 +251,13 @@ class BlockPool:
             if tier_work is not NO_WORK:
                 work = tier_work if work is NO_WORK else work + tier_work
         return StepResult(
-            grown, admitted, self.num_free, self.num_evictable, work.demotions, work.shared_stores
+            grown,
+            admitted,
+            self.num_free,
+            self.num_evictable,
+            work.demotions,
+            work.shared_stores,
+            work.shared_orphans,
         )
 
     def admit(

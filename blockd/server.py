@@ -144,12 +144,12 @@ def build_server(
             ("grpc.so_reuseport", 0),
         ]
     )
+    shared_store = SharedStoreAdmin(config.shared_tier) if config.shared_tier is not None else None
     add_service(
-        BlockDirectoryService(directory, worker_auth(config.worker_token), on_pool_registered),
+        BlockDirectoryService(directory, worker_auth(config.worker_token), on_pool_registered, shared_store),
         server,
         "BlockDirectoryService",
     )
-    shared_store = SharedStoreAdmin(config.shared_tier) if config.shared_tier is not None else None
     add_service(
         DirectoryAdminService(directory, admin_auth(config.admin_token), shared_store),
         server,

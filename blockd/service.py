@@ -130,12 +130,16 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
         directory: BlockDirectory,
         auth: BearerAuth,
         on_pool_registered: Callable[[], None] | None = None,
+        shared_store: SharedStoreAdmin | None = None,
     ) -> None:
         """`on_pool_registered`: called after each registration (blockd.server freezes the
-        collector's heap there)."""
+        collector's heap there). `shared_store`: deletes the keys that writes a flush
+        forgot left behind, once their reports come (`StepResult.shared_orphans`)."""
         self._directory = directory
         self._auth = auth
         self._on_pool_registered = on_pool_registered
+        self._shared_store = shared_store
+        self._deletions: set[asyncio.Task[None]] = set()  # held until done (asyncio keeps weak refs)
 
     @unary
     async def RegisterPool(
@@ -222,6 +226,12 @@ class BlockDirectoryService(pb_grpc.BlockDirectoryServiceServicer):
             request.shared_failed,
             request.shared_missing,
         )
+        if result.shared_orphans and self._shared_store is not None:  # off the Step's path
+            task = asyncio.get_running_loop().create_task(
+                delete_logged(self._shared_store, list(result.shared_orphans), ())
+            )
+            self._deletions.add(task)
+            task.add_done_callback(self._deletions.discard)
         reply.num_free_blocks = result.num_free_blocks
         reply.num_evictable_blocks = result.num_evictable_blocks
         for block_id, host_block_id in result.demotions:

@@ -117,6 +117,11 @@ class PendingStore:
     parent: SharedRecord | None
 
 
+# Writes under way at a flush that `SharedIndex.flushed` remembers, per namespace: a
+# worker writes at most a Step's stores at a time, far fewer than this.
+MAX_FLUSHED_WRITES = 1 << 16
+
+
 class SharedIndex:
     """The shared tier's records of one namespace (one hash seed).
 
@@ -132,6 +137,9 @@ class SharedIndex:
         # Resident records, least recently used first.
         self.index: OrderedDict[BlockHash, SharedRecord] = OrderedDict()
         self.pending: dict[BlockHash, PendingStore] = {}
+        # Writes a flush forgot while they were under way, oldest first (bounded): the key
+        # such a write leaves behind is deleted when its report comes (`confirm`).
+        self.flushed: OrderedDict[BlockHash, None] = OrderedDict()
         self.max_blocks = max_blocks
         self.num_forgotten = 0  # records dropped to stay within max_blocks
         self._hasher = hasher
@@ -206,11 +214,17 @@ class SharedIndex:
 
     def confirm(
         self, pool_id: PoolId, block_hashes: Iterable[BlockHash]
-    ) -> tuple[list[SharedRecord], list[SharedRecord]]:
+    ) -> tuple[list[SharedRecord], list[SharedRecord], list[BlockHash]]:
         """The pool's writes of these blocks completed: each becomes resident when its
-        parent is (checked parent first); answers the records that did, and those
-        the index forgot to stay within its bound."""
-        stores = [self.pending.get(h) for h in block_hashes]
+        parent is (checked parent first); answers the records that did, those the
+        index forgot to stay within its bound, and the orphans: writes a flush forgot
+        while they were under way, and writes whose parent never became resident (their
+        keys only take room in the store, and a rebuild would bring a flushed one back)."""
+        hashes = list(block_hashes)
+        stores = [self.pending.get(h) for h in hashes]
+        orphans = [h for h, s in zip(hashes, stores) if s is None and h in self.flushed]
+        for block_hash in orphans:
+            del self.flushed[block_hash]
         mine = [s for s in stores if s is not None and s.pool_id == pool_id]
         for store in mine:
             del self.pending[store.record.block_hash]
@@ -220,10 +234,13 @@ class SharedIndex:
             if parent is not None and not (
                 parent.is_resident and self.index.get(parent.block_hash) is parent
             ):
-                continue  # its parent never made it (or left): it could never be reached
+                # its parent never made it (or left): it could never be reached, and its
+                # value only takes room in the store
+                orphans.append(record.block_hash)
+                continue
             self._place(record, parent)
             resident.append(record)
-        return resident, self._keep_within_bounds()
+        return resident, self._keep_within_bounds(), orphans
 
     def fail(self, pool_id: PoolId, block_hashes: Iterable[BlockHash]) -> int:
         num = 0
@@ -252,9 +269,13 @@ class SharedIndex:
         """Drop every record (of chains carrying this salt digest if given), and forget the
         stores still pending for those chains: a write that finished just before the flush
         deleted its key would otherwise be confirmed after it, a record of nothing."""
+        flushed = self.flushed
         for block_hash, store in list(self.pending.items()):
             if salt_digest is None or store.record.chain_salt_digest == salt_digest:
                 del self.pending[block_hash]
+                flushed[block_hash] = None
+        while len(flushed) > MAX_FLUSHED_WRITES:
+            flushed.popitem(last=False)
         matching = [
             r for r in self.index.values() if salt_digest is None or r.chain_salt_digest == salt_digest
         ]

@@ -53,6 +53,9 @@ class TierWork:
     demotions: tuple[tuple[BlockId, HostBlockId], ...] = ()
     # Committed device blocks to write to the shared tier.
     shared_stores: tuple[SharedBlock, ...] = ()
+    # (namespace seed, block hash) of shared tier writes a flush forgot while they were
+    # under way: the keys they left in the store, for the servicer to delete.
+    shared_orphans: tuple[tuple[BlockHash, BlockHash], ...] = ()
 
     def __add__(self, other: TierWork) -> TierWork:
         return TierWork(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(TierWork)))

@@ -41,6 +41,8 @@ class SharedLevel(LowerTier):
         self.load_seconds_per_block = spec.shared_load_seconds_per_block
         self.recompute_seconds_per_block = spec.prefill_seconds_per_token * setup.block_size
         self._stores: list[SharedBlock] = []  # the Step's writes, for TierWork
+        # Keys left by writes a flush forgot, reported in this Step (`SharedIndex.confirm`).
+        self._orphans: list[tuple[BlockHash, BlockHash]] = []
 
     # ------------------------------------------------------------ admission
 
@@ -83,7 +85,8 @@ class SharedLevel(LowerTier):
         shared, counters = self.index, self.counters
         if reports.shared_written:
             written = [BlockHash(bytes(h)) for h in reports.shared_written]
-            resident, forgotten = shared.confirm(self.pool_id, written)
+            resident, forgotten, orphans = shared.confirm(self.pool_id, written)
+            self._orphans += [(shared.seed, block_hash) for block_hash in orphans]
             counters.num_stores += len(resident)
             if resident:
                 self._events.append(
@@ -99,10 +102,11 @@ class SharedLevel(LowerTier):
             removed_event(self._events, dropped, self.pool_id)
 
     def end_step(self) -> TierWork:
-        if not self._stores:
+        if not self._stores and not self._orphans:
             return NO_WORK
         stores, self._stores = tuple(self._stores), []
-        return TierWork(shared_stores=stores)
+        orphans, self._orphans = tuple(self._orphans), []
+        return TierWork(shared_stores=stores, shared_orphans=orphans)
 
     # ------------------------------------------------------------ private helpers
 

@@ -141,15 +141,19 @@ def test_a_write_reported_after_a_flush_stays_unfindable():
     a, b = two_pools()
     stores = stored_on(a, 1, A)
     a.directory.flush(tier=Tier.SHARED)
-    a.step(shared_written=[s.block_hash for s in stores])
+    late = a.step(shared_written=[s.block_hash for s in stores])
     assert b.directory.lookup(A, pool_id=b.pool_id)[0].num_cached_tokens == 0
     assert a.directory.stats(a.pool_id).total.shared.num_blocks == 0
+    # The keys those writes left in the store are named once, for blockd to delete.
+    assert late.shared_orphans == tuple((a.pool.seed, s.block_hash) for s in stores)
+    assert a.step(shared_written=[s.block_hash for s in stores]).shared_orphans == ()
     # A salted flush forgets only its own chains' writes in flight.
     salted = stored_on(a, 2, A, salt="t1")
     plain = stored_on(a, 3, [7, 8, 9, 10])
     a.directory.flush(cache_salt="t1", tier=Tier.SHARED)
-    a.step(shared_written=[s.block_hash for s in salted + plain])
+    late = a.step(shared_written=[s.block_hash for s in salted + plain])
     assert a.directory.stats(a.pool_id).total.shared.num_blocks == 2
+    assert late.shared_orphans == tuple((a.pool.seed, s.block_hash) for s in salted)
 
 
 def test_with_seen_twice_a_block_goes_to_the_store_on_its_second_sighting():
