@@ -203,8 +203,9 @@ class StepResult:
     demotions: tuple[tuple[BlockId, HostBlockId], ...] = ()
     # Committed device blocks to write to the shared tier (read before the next forward).
     shared_stores: tuple[SharedBlock, ...] = ()
-    # (namespace seed, block hash) keys that writes a flush forgot left in the store:
-    # blockd's servicer deletes them (never sent to the worker).
+    # (namespace seed, block hash) keys of reported writes blockd will never index (a
+    # flush forgot them while under way, or their parent never became resident): blockd's
+    # servicer deletes them (never sent to the worker).
     shared_orphans: tuple[tuple[BlockHash, BlockHash], ...] = ()
 
 

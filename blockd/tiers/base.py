@@ -53,8 +53,8 @@ class TierWork:
     demotions: tuple[tuple[BlockId, HostBlockId], ...] = ()
     # Committed device blocks to write to the shared tier.
     shared_stores: tuple[SharedBlock, ...] = ()
-    # (namespace seed, block hash) of shared tier writes a flush forgot while they were
-    # under way: the keys they left in the store, for the servicer to delete.
+    # (namespace seed, block hash) of reported shared tier writes that will never be
+    # indexed (`SharedIndex.confirm`'s orphans): keys for the servicer to delete.
     shared_orphans: tuple[tuple[BlockHash, BlockHash], ...] = ()
 
     def __add__(self, other: TierWork) -> TierWork:

@@ -41,7 +41,7 @@ class SharedLevel(LowerTier):
         self.load_seconds_per_block = spec.shared_load_seconds_per_block
         self.recompute_seconds_per_block = spec.prefill_seconds_per_token * setup.block_size
         self._stores: list[SharedBlock] = []  # the Step's writes, for TierWork
-        # Keys left by writes a flush forgot, reported in this Step (`SharedIndex.confirm`).
+        # Keys of this Step's reported writes that will never be indexed (`SharedIndex.confirm`).
         self._orphans: list[tuple[BlockHash, BlockHash]] = []
 
     # ------------------------------------------------------------ admission
