@@ -636,8 +636,12 @@ class Engine:
             if self.observer is not None:
                 self.observer.on_first_token(req.first_token_at - req.arrival)
         token = seq.token_ids[-1]
+        # The stop token that ended the sequence is in its tokens (and logprobs), not its text.
+        silent = seq.finish_reason == "stop" and token in self.scheduler.stop_token_ids(seq)
         # A held chunk needs its text only when it leaves: decode then (or at the end).
-        text, hit_stop = req.output.push(token, defer=not req.sends_now(first) and not seq.is_finished)
+        text, hit_stop = req.output.push(
+            token, defer=not req.sends_now(first) and not seq.is_finished, silent=silent
+        )
         if hit_stop and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
         req.send(token, text, first, *self._logprobs_of(seq, first))

@@ -33,13 +33,20 @@ class OutputText:
         self._emitted = 0
         self._deferred: list[int] = []  # ids whose text nobody has asked for yet
 
-    def push(self, token_id: int, defer: bool = False) -> tuple[str, bool]:
+    def push(self, token_id: int, defer: bool = False, silent: bool = False) -> tuple[str, bool]:
         """Add a token; returns (text to emit now, whether a stop string was hit).
 
         `defer=True` (the caller holds this token's chunk back) only queues the id when no
         stop string is set: its text comes with the next push that is not deferred, or
         with `finish`, decoded together (detokenizing is ~7 us a token, a tenth of a
-        64-stream decode step's host work). The text emitted in total is the same."""
+        64-stream decode step's host work). The text emitted in total is the same.
+
+        `silent=True`: the token that ended the completion (EOS or one of its stop token
+        ids) adds no text of its own, as vLLM drops it unless `include_stop_str_in_output`
+        (which the gateway accepts only as false); the text before it is still emitted."""
+        if silent:
+            self._drain()
+            return self._take(len(self._text) - self._hold), False
         if defer and not self._stop:
             self._deferred.append(token_id)
             return "", False

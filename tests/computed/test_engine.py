@@ -484,6 +484,46 @@ def test_decode_bursts_give_the_tokens_and_finishes_of_single_steps(tiny_models:
     assert burst_stats.num_decode_tokens == single_stats.num_decode_tokens
 
 
+class CharDecoder:
+    """Each token id is one character: enough to see which tokens' text a client gets."""
+
+    def push(self, token_id: int) -> str:
+        return chr(0x100 + token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_the_stop_token_that_ends_a_completion_is_in_its_tokens_not_its_text(tiny_models: TinyModels) -> None:
+    """vLLM's rule (`include_stop_str_in_output` false): the stop token id that ended the
+    completion is returned among its token ids, and none of its text is (both with one
+    chunk a token and with tokens held for a later chunk)."""
+
+    async def run(stop_token_ids: tuple[int, ...], stream_interval: int) -> list[GenerationChunk]:
+        engine, _ = build(tiny_models)
+        await engine.start()
+        try:
+            _, queue = engine.add_request(
+                PROMPT,
+                SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=stop_token_ids),
+                CharDecoder(),
+                stream_interval=stream_interval,
+            )
+            chunks = [await asyncio.wait_for(queue.get(), timeout=30)]
+            while chunks[-1].finish_reason is None:
+                chunks.append(await asyncio.wait_for(queue.get(), timeout=30))
+            return chunks
+        finally:
+            await engine.stop(0)
+
+    free = token_ids(asyncio.run(run((), 1)))
+    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # a first occurrence
+    for stream_interval in (1, 4):
+        chunks = asyncio.run(run((free[at],), stream_interval))
+        assert token_ids(chunks) == free[: at + 1] and chunks[-1].finish_reason == "stop"
+        assert "".join(c.text for c in chunks) == "".join(chr(0x100 + t) for t in free[:at])
+
+
 def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
     tiny_models: TinyModels,
 ) -> None:

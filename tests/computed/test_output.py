@@ -100,3 +100,21 @@ def test_incremental_decoder_many_ids_at_once_equals_one_each():
     grouped = IncrementalDecoder(tokenizer)
     got = "".join(grouped.push_many(ids[k : k + 7]) for k in range(0, len(ids), 7)) + grouped.flush()
     assert got == want == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_silent_stop_token_adds_no_text_of_its_own():
+    """The token that ended a completion (EOS, a stop token id) is dropped from the text, as
+    vLLM drops it; what came before it is emitted, and with stop strings set, the text held
+    back for them comes out at the finish."""
+    out = OutputText(CharDecoder(), ())
+    assert out.push(ord("a")) == ("a", False)
+    assert out.push(ord("!"), silent=True) == ("", False)
+    assert out.finish(False) == ""
+    held = OutputText(CharDecoder(), ("END",))
+    pieces = [held.push(ord(c))[0] for c in "abE"]
+    pieces.append(held.push(ord("!"), silent=True)[0])
+    pieces.append(held.finish(False))
+    assert "".join(pieces) == "abE"
+    deferred = OutputText(CharDecoder(), ())
+    assert deferred.push(ord("x"), defer=True) == ("", False)
+    assert deferred.push(ord("!"), silent=True) == ("x", False)  # the deferred text still leaves
