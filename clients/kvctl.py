@@ -122,12 +122,15 @@ def _checked(service: str) -> Callable[[click.Context, click.Parameter, Any], An
 
 
 def parse_token_ids(value: str) -> list[int]:
+    hint = "'--tokens'"
     try:
         token_ids = [int(t) for t in value.replace(" ", ",").split(",") if t.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated token ids, got {value!r}") from None
+        raise click.BadParameter(
+            f"expected comma-separated token ids, got {value!r}", param_hint=hint
+        ) from None
     if not token_ids or any(t < 0 for t in token_ids):
-        raise click.BadParameter("expected one or more token ids >= 0")
+        raise click.BadParameter("expected one or more token ids >= 0", param_hint=hint)
     return token_ids
 
 
@@ -284,10 +287,23 @@ def _prompt(
         )
     if text == "-":
         text = sys.stdin.read()
+    if not text:  # refused here, in kvctl's words, not by the daemon as an empty token list
+        raise click.BadParameter(
+            'the prompt is empty; give some text ("-" reads it from stdin) or --tokens',
+            param_hint="'TEXT'",
+        )
     if system is not None or chat:
         messages = ([("system", system)] if system is not None else []) + [("user", text)]
         return Prompt.of(messages=messages, cache_salt=salt, public_prefix_tokens=public_prefix_tokens)
     return Prompt.of(text, cache_salt=salt, public_prefix_tokens=public_prefix_tokens)
+
+
+def _token_ids(session: Session, prompt: Prompt) -> list[int]:
+    """The prompt's token ids for a blockd command; a text that tokenizes to nothing is a usage error."""
+    token_ids = session.client.tokenize_prompt(prompt)
+    if not token_ids:
+        raise click.BadParameter("the prompt tokenized to no tokens; give some text", param_hint="'TEXT'")
+    return token_ids
 
 
 # ---------------------------------------------------------------- generation
@@ -455,7 +471,7 @@ def _report_partial(
 def route(session: Session, as_json: bool, **prompt_args: Any) -> None:
     """Which computed holds the longest cached prefix of TEXT (blockd's RoutingService)."""
     prompt = _prompt(**prompt_args)
-    token_ids = session.client.tokenize_prompt(prompt)
+    token_ids = _token_ids(session, prompt)
     answer = session.client.blockd.route(
         token_ids, cache_salt=prompt.cache_salt, public_prefix_tokens=prompt.public_prefix_tokens
     )
@@ -580,7 +596,7 @@ def _decode_runs(session: Session, forest: dict) -> None:
 def lookup(session: Session, as_json: bool, pool: str | None, **prompt_args: Any) -> None:
     """How many leading tokens of TEXT (or --tokens) each pool has cached."""
     prompt = _prompt(**prompt_args)
-    token_ids = session.client.tokenize_prompt(prompt)
+    token_ids = _token_ids(session, prompt)
     matches = session.client.blockd.lookup(
         token_ids,
         cache_salt=prompt.cache_salt,
@@ -633,7 +649,7 @@ def flush(session: Session, as_json: bool, pool: str | None, salt: str | None, t
 def pin(session: Session, as_json: bool, ttl: float, pool: str | None, **prompt_args: Any) -> None:
     """Keep the cached prefix of TEXT (or --tokens) from eviction for --ttl seconds."""
     prompt = _prompt(**prompt_args)
-    token_ids = session.client.tokenize_prompt(prompt)
+    token_ids = _token_ids(session, prompt)
     result = session.client.blockd.pin(
         token_ids,
         cache_salt=prompt.cache_salt,
@@ -687,7 +703,7 @@ def why(session: Session, as_json: bool, pool: str | None, **prompt_args: Any) -
     reason of the first missing block (never seen, evicted by which policy and when,
     flushed, not stored, other salt, other model) and the partial tail."""
     prompt = _prompt(**prompt_args)
-    token_ids = session.client.tokenize_prompt(prompt)
+    token_ids = _token_ids(session, prompt)
     explanations = session.client.blockd.explain_miss(
         token_ids,
         cache_salt=prompt.cache_salt,
@@ -711,7 +727,8 @@ def why(session: Session, as_json: bool, pool: str | None, **prompt_args: Any) -
     "[default: none, only new events].",
 )
 def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int | None) -> None:
-    """Print block events (stored / removed / cleared / gap) as they happen; Ctrl-C stops (exit 130)."""
+    """Print block events (stored / removed / cleared / gap / demoted / loaded) as they happen;
+    Ctrl-C stops (exit 130)."""
     blockd = session.client.blockd
     if after_sequence is None:
         after_sequence = blockd.get_stats(pool).last_event_sequence
@@ -720,10 +737,7 @@ def watch(session: Session, as_json: bool, pool: str | None, after_sequence: int
             if as_json:
                 click.echo(json.dumps(to_dict(event)))
             else:
-                session.out.print(
-                    f"#{event.sequence} {event.kind:<7} pool {event.pool_id} blocks {list(event.block_ids)}",
-                    markup=False,
-                )
+                session.out.print(render.event_line(event), markup=False, soft_wrap=True)
     except KeyboardInterrupt:  # the normal way to stop watching: no error line, but exit 130
         click.get_current_context().exit(EXIT_INTERRUPTED)
 

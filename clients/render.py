@@ -19,6 +19,7 @@ from rich.tree import Tree
 
 from clients.prefix_tree import PrefixNode
 from clients.types import (
+    BlockEvent,
     BlockInfo,
     Completion,
     MissExplanation,
@@ -43,6 +44,17 @@ MISS_REASONS = {
     "not_loaded": "only in a lower tier, which this admission did not load",
     "bypassed": "the request's cache policy was none: nothing was looked up",
 }
+
+# What each block event kind means (blockd's BlockEventKind), as docs/clients.md lists them.
+EVENT_KINDS = {
+    "stored": "blocks became findable (committed) in the device pool",
+    "removed": "blocks stopped being findable in the tier (evicted, flushed or reused)",
+    "cleared": "every block of the pool was dropped (lease lapsed or pool re-registered)",
+    "gap": "events older than the replay window were lost; resync (kvctl blocks)",
+    "demoted": "blocks left the device pool for a lower tier (host, or shared where they are findable now)",
+    "loaded": "lower-tier blocks were copied into the device pool and are findable there",
+}
+_PREVIEW_HASHES = 4
 
 _PREVIEW_CHARS = 60
 _PREVIEW_TOKENS = 12
@@ -97,6 +109,30 @@ def preview_text(text: str, limit: int = _PREVIEW_CHARS) -> str:
 def preview_tokens(token_ids: Sequence[int], limit: int = _PREVIEW_TOKENS) -> str:
     shown = ",".join(str(t) for t in token_ids[:limit])
     return shown + (f",… ({len(token_ids)})" if len(token_ids) > limit else "")
+
+
+def event_line(event: BlockEvent) -> str:
+    """One `kvctl watch` line: what the event carries (tier, block count and hashes, parent,
+    tokens, block ids), each part only where the event has it."""
+    parts = [f"#{event.sequence} {event.kind:<7} pool {event.pool_id or '-'}"]
+    if event.tier:
+        parts.append(f"tier {event.tier}")
+    hashes = event.block_hashes
+    if hashes:
+        shown = " ".join(short_hash(h) for h in hashes[:_PREVIEW_HASHES])
+        more = f" … (+{len(hashes) - _PREVIEW_HASHES})" if len(hashes) > _PREVIEW_HASHES else ""
+        parts.append(f"{plural(len(hashes), 'block')} {shown}{more}")
+    if event.parent_hash:
+        parts.append(f"after {short_hash(event.parent_hash)}")
+    if event.token_ids:
+        parts.append(plural(len(event.token_ids), "token"))
+    if event.block_ids:
+        parts.append(f"block ids {preview_tokens(event.block_ids)}")
+    if event.kind == "cleared":
+        parts.append("every block of the pool dropped")
+    elif event.kind == "gap":
+        parts.append("earlier events were lost (older than the replay window): resync with kvctl blocks")
+    return " · ".join(parts)
 
 
 def usage_line(completion: Completion) -> Text:

@@ -494,7 +494,8 @@ _EVENT_KINDS = {
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """kind: "stored", "removed", "cleared", "gap" (or "unspecified")."""
+    """kind: "stored", "removed", "cleared", "gap", "demoted", "loaded" (or "unspecified");
+    tier: "device", "host" or "shared" ("" when the event names none)."""
 
     sequence: int
     kind: str
@@ -503,6 +504,7 @@ class BlockEvent:
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
+    tier: str = ""
 
     @classmethod
     def from_proto(cls, m: directory_pb2.WatchEventsResponse) -> BlockEvent:
@@ -514,4 +516,5 @@ class BlockEvent:
             m.parent_hash or None,
             tuple(m.token_ids),
             tuple(m.block_ids),
+            TIER_NAMES.get(m.tier, ""),
         )

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from clients.types import GenerateChunk, Usage
 from gateway import extras, metrics
 from gateway.config import GatewayConfig
-from gateway.errors import INTERNAL, UNAUTHORIZED, ApiError, invalid
+from gateway.errors import INTERNAL, SAME_NAMED_FIELDS, UNAUTHORIZED, ApiError, invalid
 from gateway.fleet import Fleet
 from gateway.generation import Generation
 from gateway.responses import DONE, ChoiceOutput, Reply, finish_reason, sse, usage_body
@@ -48,25 +48,26 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
     app = FastAPI(title="kvcache gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.fleet = fleet
 
+    # FastAPI's answers are counted by GenerationEndpoints (by route template), not here.
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return _error_response(request.url.path, error)
+        return _error_response(request.url.path, error, count=False)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error", path=request.url.path)
-        return _error_response(
-            request.url.path, ApiError(INTERNAL, f"internal error: {type(error).__name__}")
-        )
+        error = ApiError(INTERNAL, f"internal error: {type(error).__name__}")
+        return _error_response(request.url.path, error, count=False)
 
-    @app.get("/health")
+    # Probes answer HEAD as GET does (status and headers, no body).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         models = fleet.models()
         up = sum(len(w) for w in models.values())
         body = {"status": "ok" if up else "no_workers", "workers_up": up, "workers": len(fleet.workers)}
         return JSONResponse({**body, "models": sorted(models)}, status_code=200 if up else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
@@ -97,6 +98,7 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
         except ValueError:
             raise invalid("the request body is not valid JSON") from None
         req = parse(body)
+        fields = worker_fields(req.kind, body)
         scope = tenants.scope(tenant)
         reply = Reply.new(endpoint, req.model)
         request_id = req.request_id or request_id or reply.id
@@ -115,6 +117,7 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
                     request_id=f"{worker_id}-{i * req.n + j}" if many else worker_id,
                 ),
                 req.sampling_for(j),
+                fields,
             )
             for i, prompt in enumerate(req.prompts)
             for j in range(req.n)
@@ -135,7 +138,9 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
 
 class GenerationEndpoints:
     """POST /v1/chat/completions and /v1/completions as plain ASGI (the hot path); the rest
-    (other paths and methods, lifespan) passes on to `app`."""
+    (other paths and methods, lifespan) passes on to `app`, each answer counted in
+    gateway_requests_total by its route's template ("unmatched" when no route matches), so
+    that ids in paths (/v1/models/{model}) do not each add a series."""
 
     def __init__(
         self, app: ASGIApp, serve: Callable[[str, str | None, str | None, bytes], Awaitable[Response]]
@@ -145,8 +150,11 @@ class GenerationEndpoints:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
-        if scope["type"] != "http" or path not in _ENDPOINTS or scope["method"] != "POST":
-            await self.app(scope, receive, _echo_request_id(scope, send))
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if path not in _ENDPOINTS or scope["method"] != "POST":
+            await _counted(self.app, scope, receive, _echo_request_id(scope, send))
             return
         request_id = _header(scope, b"x-request-id")
         try:
@@ -160,6 +168,43 @@ class GenerationEndpoints:
             error = ApiError(INTERNAL, f"internal error: {type(error).__name__}")
             response = _error_response(path, error, request_id)
         await response(scope, receive, send)
+
+
+async def _counted(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """`app` serves the request; its status is counted under the matched route's template."""
+    status = "500"
+
+    async def sending(message: Any) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = str(message["status"])
+        await send(message)
+
+    try:
+        await app(scope, receive, sending)
+    finally:
+        metrics.REQUESTS.labels(route_label(scope), status).inc()
+
+
+def route_label(scope: Scope) -> str:
+    """The template of the route that served `scope` (/v1/models/{model}); "unmatched" for none."""
+    route = scope.get("route")
+    template = getattr(route, "path_format", None) or getattr(route, "path", None)
+    return template if isinstance(template, str) and template else UNMATCHED
+
+
+UNMATCHED = "unmatched"
+
+
+def worker_fields(kind: str, body: dict[str, Any]) -> dict[str, str]:
+    """The worker's field names -> the request's, to say a worker's refusal in the client's
+    words (gateway.errors.from_daemon)."""
+    prompt = "messages" if kind == "chat" else "prompt"
+    max_name = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_name = "max_completion_tokens"
+    same = {name: name for name in SAME_NAMED_FIELDS}
+    return {**same, "prompt_token_ids": prompt, "prompt": prompt, "max_tokens": max_name}
 
 
 def _echo_request_id(scope: Scope, send: Send) -> Send:
@@ -217,8 +262,11 @@ def _authenticate(tenants: Tenants, authorization: str | None) -> str:
     return tenant
 
 
-def _error_response(path: str, error: ApiError, request_id: str | None = None) -> JSONResponse:
-    metrics.REQUESTS.labels(path, str(error.status.http)).inc()
+def _error_response(
+    path: str, error: ApiError, request_id: str | None = None, count: bool = True
+) -> JSONResponse:
+    if count:  # the hot path's own paths (two, fixed); FastAPI's are counted by _counted
+        metrics.REQUESTS.labels(path, str(error.status.http)).inc()
     if error.status.http >= 500:
         log.warning("request failed", path=path, status=error.status.http, error=error.message)
     headers = {"x-request-id": request_id} if request_id is not None else None

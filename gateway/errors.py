@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +88,52 @@ def unsupported(param: str, why: str = "") -> ApiError:
     return ApiError(INVALID, f"'{param}' is not supported by this server{tail}", param)
 
 
-def from_daemon(error: KVCacheError) -> ApiError:
-    """A daemon's failure as the client's error; bad input keeps the daemon's own words."""
+def from_daemon(error: KVCacheError, fields: Mapping[str, str] | None = None) -> ApiError:
+    """A daemon's failure as the client's error; bad input keeps the daemon's own words, its
+    field names said as the request's (`fields`: the worker's name -> the request's) and
+    the field it names first as the error's `param`."""
     status = GRPC_STATUS.get(error.code, INTERNAL)
     if status.http == 400:
-        return ApiError(status, error.details or str(error))
+        message, param = in_request_words(error.details or str(error), fields or {})
+        return ApiError(status, message, param)
     return ApiError(status, str(error))
+
+
+# Worker fields whose name the HTTP request shares (computed's GenerateRequest and vLLM's API).
+SAME_NAMED_FIELDS = (
+    "stop_token_ids",
+    "logit_bias",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "request_id",
+)
+# Worker field names renamed in a message (the others read right as they are).
+_RENAMED = re.compile(r"\b(prompt_token_ids|token_ids|max_tokens)\b")
+_LEADING_FIELD = re.compile(r"(\w+)(?::| must | is over )")
+
+
+def in_request_words(message: str, fields: Mapping[str, str]) -> tuple[str, str | None]:
+    """A worker's refusal with its field names as the request's, and the field at fault.
+
+    The field at fault is the one the message leads with ("logit_bias: ...", "top_p must
+    be ..."), else max_tokens where it is named ("prompt has N tokens and max_tokens is
+    M, ..."), else the prompt where the message is about it ("prompt has N tokens but
+    ..."); None when `fields` does not know it.
+    """
+    lead = _LEADING_FIELD.match(message)
+    if lead is not None and lead.group(1) in fields:
+        param: str | None = fields[lead.group(1)]
+    elif re.search(r"\bmax_tokens\b", message) and "max_tokens" in fields:
+        param = fields["max_tokens"]
+    elif message.startswith("prompt ") and "prompt" in fields:
+        param = fields["prompt"]
+    else:
+        param = None
+    renamed = _RENAMED.sub(lambda m: fields.get(m.group(1), m.group(1)), message)
+    return renamed, param

@@ -2,7 +2,7 @@
 
 GET /v1/models (and /v1/models/{id}) with `max_model_len`; POST /tokenize and
 /detokenize (a worker of the model does it, so the ids are the ones Generate sees);
-GET /version; and every path FastAPI itself would answer (404, 405) in OpenAI's
+GET /version (every GET here also answers HEAD, as probes send it); and every path FastAPI itself would answer (404, 405) in OpenAI's
 error shape rather than FastAPI's `{"detail": ...}`.
 """
 
@@ -40,17 +40,17 @@ def add_routes(app: FastAPI, fleet: Fleet, authenticate: Callable[[str | None], 
         message = f"{detail}: {request.method} {request.url.path}"
         return JSONResponse(ApiError(status, message).body(), status_code=error.status_code)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
         return JSONResponse({"version": _version()})
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models(request: Request) -> JSONResponse:
         authenticate(request.headers.get("authorization"))
         models = fleet.models()
         return JSONResponse({"object": "list", "data": [model_card(m, models[m]) for m in sorted(models)]})
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     async def get_model(model: str, request: Request) -> JSONResponse:
         authenticate(request.headers.get("authorization"))
         return JSONResponse(model_card(model, fleet.workers_of(model)))
@@ -85,7 +85,8 @@ def add_routes(app: FastAPI, fleet: Fleet, authenticate: Callable[[str | None], 
         ):
             raise invalid("'tokens' must be a list of token ids (integers >= 0)", "tokens")
         call = generation_pb2.DetokenizeRequest(token_ids=tokens)
-        reply = await _call(worker, worker.stub.Detokenize(call, timeout=fleet.config.route_timeout))
+        detokenized = worker.stub.Detokenize(call, timeout=fleet.config.route_timeout)
+        reply = await _call(worker, detokenized, {"token_ids": "tokens"})
         return JSONResponse({"prompt": reply.text})
 
 
@@ -150,8 +151,10 @@ def _tokenize_request(body: dict[str, Any]) -> generation_pb2.TokenizeRequest:
     if body.get("add_generation_prompt") is False:
         raise invalid("chat messages are rendered with the generation prompt", "add_generation_prompt")
     prompt, messages = body.get("prompt"), body.get("messages")
-    if (prompt is None) == (messages is None):
-        raise invalid("give 'prompt' (a string) or 'messages', not both", "prompt")
+    if prompt is None and messages is None:
+        raise invalid("one of 'prompt' (a string) or 'messages' (a list of messages) is required", "prompt")
+    if prompt is not None and messages is not None:
+        raise invalid("give 'prompt' or 'messages', not both", "messages")
     if messages is not None:
         parsed: tuple[ChatMessage, ...] = parse_messages(messages)
         return generation_pb2.TokenizeRequest(messages=[m.to_proto() for m in parsed])
@@ -163,8 +166,10 @@ def _tokenize_request(body: dict[str, Any]) -> generation_pb2.TokenizeRequest:
     return generation_pb2.TokenizeRequest(text=prompt, add_special_tokens=add_special)
 
 
-async def _call(worker: Worker, call: Any) -> Any:
+async def _call(worker: Worker, call: Any, fields: dict[str, str] | None = None) -> Any:
+    """`call`'s reply; a refusal names `fields` (the worker's name -> the request's) as the request does."""
     try:
         return await call
     except grpc.RpcError as error:
-        raise from_daemon(KVCacheError.from_rpc_error("computed", worker.address, error)) from None
+        failure = KVCacheError.from_rpc_error("computed", worker.address, error)
+        raise from_daemon(failure, fields) from None

@@ -13,7 +13,7 @@ round of work in grpc's core on the hot path).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 import grpc.aio
@@ -27,8 +27,17 @@ from gateway.worker_stream import Handle
 
 
 class Generation:
-    def __init__(self, fleet: Fleet, model: str, prompt: Prompt, sampling: SamplingParams) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        model: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        fields: Mapping[str, str] | None = None,
+    ) -> None:
+        """`fields`: the worker's field names -> the request's, for its refusals (from_daemon)."""
         self._fleet = fleet
+        self._fields = fields
         self._model = model
         self._prompt = prompt
         self._sampling = sampling
@@ -62,7 +71,7 @@ class Generation:
                     placement = dataclasses.replace(placement, worker=nxt)
         except KVCacheError as error:
             self.close()
-            raise from_daemon(error) from None
+            raise from_daemon(error, self._fields) from None
         except BaseException:
             self.close()
             raise
@@ -78,7 +87,7 @@ class Generation:
                     return
                 chunk = await self._read()
         except KVCacheError as error:
-            raise from_daemon(error) from None
+            raise from_daemon(error, self._fields) from None
         finally:
             self.close()
 

@@ -170,7 +170,7 @@ def parse_messages(value: Any) -> tuple[ChatMessage, ...]:
                 raise unsupported(f"{where}.{key}")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}", where)
+            raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {shown(role)}", where)
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise invalid(f"'{where}.name' must be a string", f"{where}.name")
@@ -237,8 +237,13 @@ def _request(
     echo: bool,
 ) -> GenerationRequest:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None:
         raise invalid("'model' is required: one of the ids GET /v1/models lists", "model")
+    if not isinstance(model, str) or not model:
+        raise invalid(
+            f"'model' must be a non-empty string, one of the ids GET /v1/models lists; got {shown(model)}",
+            "model",
+        )
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -309,7 +314,7 @@ def _content(value: Any, where: str) -> str:
                 or not isinstance(part.get("text"), str)
             ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise unsupported(f"{where}[{i}]", f"only text parts are served, got {kind!r}")
+                raise unsupported(f"{where}[{i}]", f"only text parts are served, got {shown(kind)}")
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(f"'{where}' must be a string or a list of text parts", where)
@@ -343,7 +348,7 @@ def _int(body: Mapping[str, Any], name: str, low: int, high: int | None, default
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
     if not ok or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise invalid(f"'{name}' must be an integer {bound}, got {value!r}", name)
+        raise invalid(f"'{name}' must be an integer {bound}, got {shown(value)}", name)
     return value
 
 
@@ -352,7 +357,7 @@ def _number(body: Mapping[str, Any], name: str, ok: Callable[[float], bool], wha
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise invalid(f"'{name}' must be {what}, got {value!r}", name)
+        raise invalid(f"'{name}' must be {what}, got {shown(value)}", name)
     return float(value)
 
 
@@ -376,9 +381,13 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         except ValueError:
             token = -1
         if not 0 <= token < 1 << 32:
-            raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+            raise invalid(
+                f"'logit_bias' keys must be token ids (integers >= 0), got {shown(key)}", "logit_bias"
+            )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
+            raise invalid(
+                f"'logit_bias' values must be numbers in [-100, 100], got {shown(bias)}", "logit_bias"
+            )
         out.append((token, float(bias)))
     return tuple(sorted(dict(out).items()))
 
@@ -386,11 +395,18 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 def _stop_token_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    ok = isinstance(value, list) and len(value) <= MAX_STOP_TOKEN_IDS
-    if not ok or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in value):
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
         raise invalid(
             f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids"
         )
+    for token in value:
+        if not (isinstance(token, int) and not isinstance(token, bool) and 0 <= token < 1 << 32):
+            # The worker refuses ids at or above the model's vocabulary size (it knows it).
+            raise invalid(
+                f"'stop_token_ids' must hold token ids, integers >= 0 and below the model's "
+                f"vocabulary size; got {shown(token)}",
+                "stop_token_ids",
+            )
     return tuple(value)
 
 
@@ -399,7 +415,7 @@ def _seed(body: Mapping[str, Any]) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not -(1 << 63) <= value < _UINT64:
-        raise invalid(f"'seed' must be a 64-bit integer, got {value!r}", "seed")
+        raise invalid(f"'seed' must be a 64-bit integer, got {shown(value)}", "seed")
     return value % _UINT64
 
 
@@ -412,6 +428,16 @@ def _stop(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOP:
         raise invalid(f"'stop' holds at most {MAX_STOP} strings", "stop")
     return tuple(stops)
+
+
+def shown(value: Any) -> str:
+    """`value` as the client wrote it: JSON (true, null, "text"), not Python's repr; cut
+    after 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 def _replace_seed(sampling: SamplingParams, seed: int) -> SamplingParams:

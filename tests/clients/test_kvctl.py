@@ -283,3 +283,13 @@ def test_why_cache_policy_and_unpin_all(live: LiveStack) -> None:
     assert unpinned["num_unpinned_pins"] >= 1
     stats = kvctl_json(live, "stats")
     assert stats["miss_tokens"].get("not_stored", 0) > 0 and stats["eviction_policy"] == "adaptive"
+
+
+def test_an_empty_prompt_is_a_usage_error_naming_the_argument(live: LiveStack) -> None:
+    for command in ("lookup", "route", "pin", "why", "generate"):
+        result = run_kvctl(command, "", env=live.kvctl_env())
+        assert result.returncode == 2, (command, result.returncode, result.stderr)
+        assert "'TEXT'" in result.stderr and "the prompt is empty" in result.stderr, result.stderr
+        assert "token_ids" not in result.stderr and "INVALID_ARGUMENT" not in result.stderr
+    tokens = run_kvctl("lookup", "--tokens", "", env=live.kvctl_env())
+    assert tokens.returncode == 2 and "'--tokens'" in tokens.stderr, tokens.stderr

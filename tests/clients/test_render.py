@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 
 from clients import render
-from clients.types import Namespace, PoolInfo, PoolStats
+from clients.types import BlockEvent, Namespace, PoolInfo, PoolStats
+from kvcache.v1 import directory_pb2
 
 
 @pytest.mark.parametrize(
@@ -56,3 +59,54 @@ def test_values_fold_on_a_narrow_terminal_instead_of_being_cut() -> None:
 def test_output_console_is_full_width_when_not_a_terminal() -> None:
     console = render.output_console()  # pytest captures stdout: not a terminal
     assert not console.is_terminal and console.width >= 10_000
+
+
+def _event(kind: int, **fields: object) -> BlockEvent:
+    return BlockEvent.from_proto(directory_pb2.WatchEventsResponse(sequence=45, kind=kind, **fields))
+
+
+def test_watch_lines_show_what_each_event_carries() -> None:
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    demoted = render.event_line(
+        _event(
+            directory_pb2.BLOCK_EVENT_KIND_DEMOTED,
+            pool_id="pool-5e17e5a4",
+            block_hashes=hashes,
+            tier=directory_pb2.TIER_HOST,
+        )
+    )
+    assert demoted == (
+        "#45 demoted pool pool-5e17e5a4 · tier host · 6 blocks "
+        "000000000000 010101010101 020202020202 030303030303 … (+2)"
+    )
+    assert "blocks []" not in demoted
+    stored = render.event_line(
+        _event(
+            directory_pb2.BLOCK_EVENT_KIND_STORED,
+            pool_id="p",
+            block_hashes=hashes[:1],
+            parent_hash=hashes[2],
+            token_ids=range(16),
+            block_ids=[3],
+            tier=directory_pb2.TIER_DEVICE,
+        )
+    )
+    assert (
+        stored
+        == "#45 stored  pool p · tier device · 1 block 000000000000 · after 020202020202 · 16 tokens · block ids 3"
+    )
+    cleared = render.event_line(_event(directory_pb2.BLOCK_EVENT_KIND_CLEARED, pool_id="p"))
+    assert cleared == "#45 cleared pool p · every block of the pool dropped"
+    assert "resync" in render.event_line(_event(directory_pb2.BLOCK_EVENT_KIND_GAP))
+
+
+def test_docs_list_every_event_kind_watch_prints() -> None:
+    docs = (Path(__file__).parents[2] / "docs" / "clients.md").read_text()
+    kinds = [
+        v.name.removeprefix("BLOCK_EVENT_KIND_").lower()
+        for v in directory_pb2.BlockEventKind.DESCRIPTOR.values
+        if v.number != directory_pb2.BLOCK_EVENT_KIND_UNSPECIFIED
+    ]
+    assert set(kinds) == set(render.EVENT_KINDS)
+    for kind in kinds:
+        assert f"| `{kind}` |" in docs, kind

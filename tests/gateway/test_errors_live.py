@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import openai
 import pytest
@@ -140,3 +141,88 @@ def test_generation_paths_keep_their_routes(gw: GatewayStack) -> None:
         assert status == 401 and json.loads(text)["error"]["message"].startswith(
             "Incorrect or missing API key"
         )
+
+
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "lead"),
+    [
+        ("/v1/completions", {"prompt": [1, 10**9], "max_tokens": 2}, "prompt", "prompt: token id 1000000000"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "stop_token_ids": [10**9]},
+            "stop_token_ids",
+            "stop_token_ids: 1000000000",
+        ),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1000000000": 5}}, "logit_bias", "logit_bias: "),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**6},
+            "max_completion_tokens",
+            "prompt has",
+        ),
+        ("/detokenize", {"tokens": [999_999_999]}, "tokens", "tokens: token id 999999999"),
+    ],
+)
+def test_worker_refusals_name_the_requests_fields(
+    gw: GatewayStack, path: str, body: dict, param: str, lead: str
+) -> None:
+    status, _, text = http(gw.gateway.address, "POST", path, {"model": MODEL, **body}, AUTH)
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == param, text
+    assert error["message"].startswith(lead), error["message"]
+    assert not error["message"].startswith(("prompt_token_ids", "token_ids")), error["message"]
+    if param == "max_completion_tokens":
+        assert "max_completion_tokens" in error["message"] and "max_tokens" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({}, "one of 'prompt' (a string) or 'messages' (a list of messages) is required"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "not both"),
+    ],
+)
+def test_tokenize_says_which_input_it_needs(gw: GatewayStack, body: dict, says: str) -> None:
+    status, _, text = http(gw.gateway.address, "POST", "/tokenize", {"model": MODEL, **body}, AUTH)
+    assert status == 400 and says in json.loads(text)["error"]["message"], text
+
+
+def test_probes_answer_head_as_get(gw: GatewayStack) -> None:
+    for path in ("/health", "/version", "/metrics", "/v1/models", f"/v1/models/{MODEL}"):
+        get_status, get_headers, _ = http(gw.gateway.address, "GET", path, None, AUTH)
+        status, headers, body = http(gw.gateway.address, "HEAD", path, None, AUTH)
+        assert (status, body) == (get_status, ""), path
+        assert status == 200 and headers["content-type"] == get_headers["content-type"], path
+
+
+def test_head_health_is_503_without_workers(gw: GatewayStack, open_gateway) -> None:
+    gateway = open_gateway([dead_address()], blockd=dead_address())
+    assert http(gateway.address, "HEAD", "/health")[:3:2] == (503, "")
+
+
+def test_request_metrics_use_route_templates_not_raw_paths(gw: GatewayStack) -> None:
+    address = gw.gateway.address
+    ids = [f"rand-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    for model in ids:
+        assert http(address, "GET", f"/v1/models/{model}", None, AUTH)[0] == 404
+        assert http(address, "GET", f"/nowhere/{model}")[0] == 404
+    assert http(address, "GET", "/v1/models", None, AUTH)[0] == 200
+    assert http(address, "POST", "/tokenize", {"model": MODEL, "prompt": "hello"}, AUTH)[0] == 200
+    assert http(address, "POST", "/detokenize", {"model": MODEL, "tokens": [5]}, AUTH)[0] == 200
+    series = [
+        line
+        for line in http(address, "GET", "/metrics")[2].splitlines()
+        if line.startswith("gateway_requests_total")
+    ]
+    assert not [line for line in series if any(model in line for model in ids)], series
+    for endpoint, status in [
+        ("/v1/models/{model}", "404"),
+        ("unmatched", "404"),
+        ("/v1/models", "200"),
+        ("/tokenize", "200"),
+        ("/detokenize", "200"),
+    ]:
+        assert any(f'endpoint="{endpoint}",status="{status}"' in line for line in series), (endpoint, series)

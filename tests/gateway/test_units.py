@@ -9,6 +9,7 @@ from clients.errors import KVCacheError
 from clients.requests import WHOLE_COMPLETION
 from clients.types import ChatMessage, Usage
 from gateway.__main__ import parse_args
+from gateway.app import route_label, worker_fields
 from gateway.config import GatewayConfig
 from gateway.errors import GRPC_STATUS, ApiError, from_daemon
 from gateway.responses import Reply, sse, usage_body
@@ -256,6 +257,34 @@ def test_a_body_that_is_not_an_object_is_400() -> None:
     assert _error(parse_chat, [1]).status.http == 400
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        (
+            {"model": 5},
+            "model",
+            "'model' must be a non-empty string, one of the ids GET /v1/models lists; got 5",
+        ),
+        ({"model": None}, "model", "'model' is required"),
+        ({"max_tokens": True}, "max_tokens", "'max_tokens' must be an integer >= 1, got true"),
+        ({"n": None, "top_k": False}, "top_k", "got false"),
+        ({"temperature": "hot"}, "temperature", 'got "hot"'),
+        (
+            {"stop_token_ids": [-1]},
+            "stop_token_ids",
+            "integers >= 0 and below the model's vocabulary size; got -1",
+        ),
+        ({"seed": [1]}, "seed", "got [1]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", 'got "x"'),
+        ({"logit_bias": {"1": None}}, "logit_bias", "got null"),
+    ],
+)
+def test_refusals_say_what_to_fix_with_values_in_json(body, param, says) -> None:
+    error = _error(parse_completion, {"model": "m", "prompt": "x", **body})
+    assert error.param == param and says in error.message, error.message
+    assert "True" not in error.message and "None" not in error.message and "'x'" not in error.message
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -275,6 +304,72 @@ def test_grpc_codes_map_to_http(code, http) -> None:
     assert error.status.http == http
     body = error.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["message"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "details", "param", "message"),
+    [
+        (
+            "completion",
+            {},
+            "prompt_token_ids: token id 99999 is out of range; the vocab has 384 ids",
+            "prompt",
+            "prompt: token id 99999 is out of range; the vocab has 384 ids",
+        ),
+        (
+            "chat",
+            {},
+            "prompt_token_ids: token id 99999 is out of range; the vocab has 384 ids",
+            "messages",
+            "messages: token id 99999 is out of range; the vocab has 384 ids",
+        ),
+        ("chat", {}, "logit_bias: 5000 is not below the vocab size 384", "logit_bias", None),
+        ("completion", {}, "stop_token_ids: 5000 is not below the vocab size 384", "stop_token_ids", None),
+        (
+            "chat",
+            {"max_completion_tokens": 9000},
+            (
+                "prompt has 9 tokens and max_tokens is 9000, but the model's context is 2048: at most "
+                "2039 completion tokens fit; lower max_tokens to 2039 or shorten the prompt by 6961 tokens"
+            ),
+            "max_completion_tokens",
+            (
+                "prompt has 9 tokens and max_completion_tokens is 9000, but the model's context is 2048: "
+                "at most 2039 completion tokens fit; lower max_completion_tokens to 2039 or shorten the "
+                "prompt by 6961 tokens"
+            ),
+        ),
+        ("completion", {}, "min_tokens must be in [0, max_tokens=4], got 9", "min_tokens", None),
+        (
+            "chat",
+            {},
+            "prompt has 3000 tokens but the model's context is 2048: send at most",
+            "messages",
+            None,
+        ),
+    ],
+)
+def test_worker_refusals_speak_of_the_requests_fields(kind, body, details, param, message) -> None:
+    refusal = KVCacheError("computed", "127.0.0.1:1", grpc.StatusCode.INVALID_ARGUMENT, details)
+    error = from_daemon(refusal, worker_fields(kind, body))
+    assert error.status.http == 400 and error.param == param
+    assert error.message == (message or details)
+
+
+def test_detokenize_refusal_names_tokens() -> None:
+    details = "token_ids: token id 999999999 is out of range; the vocab has 384 ids"
+    refusal = KVCacheError("computed", "127.0.0.1:1", grpc.StatusCode.INVALID_ARGUMENT, details)
+    error = from_daemon(refusal, {"token_ids": "tokens"})
+    assert error.param == "tokens" and error.message.startswith("tokens: token id 999999999")
+
+
+def test_metrics_label_a_route_by_its_template() -> None:
+    class Route:
+        path = "/v1/models/{model:path}"
+        path_format = "/v1/models/{model}"
+
+    assert route_label({"route": Route()}) == "/v1/models/{model}"
+    assert route_label({}) == "unmatched"
 
 
 def test_every_grpc_code_has_a_row() -> None:
