@@ -6,7 +6,9 @@ Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
 `add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
 (silu_mul.cpp), `argmax_rows()` (argmax.cpp), `write_kv()` (kv_write.cpp), and
 `layer_qkv()` and `layer_out()` (layer.cpp: a decoder layer's ops around its attention),
-`forward_layers()` (forward.cpp: every layer of a step, attention included); or None
+`forward_layers()` (forward.cpp: every layer of a step, attention included), and
+`parallel_visits()` (parallel_probe.cpp: how the kernels' parallel loop, parallel.h, ran a
+range; for tests); or None
 where they cannot be built (no C++ compiler, no ninja, not Linux x86/arm, or
 `COMPUTED_CPU_KERNELS=0`): callers then keep torch's own kernels, which give the same
 results (attention, linear, norms and activation up to float rounding, rotary bit for
@@ -50,6 +52,7 @@ SOURCES = tuple(
         "kv_write.cpp",
         "layer.cpp",
         "forward.cpp",
+        "parallel_probe.cpp",
     )
 )
 ENV = "COMPUTED_CPU_KERNELS"
@@ -119,6 +122,13 @@ def packed_linear_swiglu() -> Callable | None:
     intermediate a multiple of 16: bit for bit `silu_mul()` of `packed_linear()`), or None
     as `paged_decode()`."""
     return torch.ops.kvcache.packed_linear_swiglu if _loaded()[0] else None
+
+
+def parallel_visits() -> Callable | None:
+    """`parallel_visits(n, grain) -> (visits, threads)`: each index's run count and the
+    threads that ran chunks of the kernels' parallel loop (parallel.h), or None as
+    `paged_decode()`. For tests."""
+    return torch.ops.kvcache.parallel_visits if _loaded()[0] else None
 
 
 def rotary() -> Callable | None:

@@ -16,6 +16,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -77,7 +78,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int64_t* ip = index.data_ptr<int64_t>();
   // A row is a few microseconds: threads only for a batch of them.
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) ip[r] = argmax_row(xp + r * n, n);
   });
   return index;

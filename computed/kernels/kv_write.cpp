@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <cstdint>
@@ -73,7 +74,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
   if (keys.scalar_type() == at::kBFloat16) {
     uint16_t* kp = reinterpret_cast<uint16_t*>(keys.data_ptr<at::BFloat16>());
     uint16_t* vp = reinterpret_cast<uint16_t*>(values.data_ptr<at::BFloat16>());
-    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    kvcache_par::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         round_row_bf16(ks + t * k_stride, kp + sp[t] * row, row);
         round_row_bf16(vs + t * v_stride, vp + sp[t] * row, row);
@@ -83,7 +84,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
   }
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
-  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(kp + sp[t] * row, ks + t * k_stride, row * sizeof(float));
       std::memcpy(vp + sp[t] * row, vs + t * v_stride, row * sizeof(float));

@@ -23,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -63,7 +65,7 @@ at::Tensor merge_partials(at::TensorList outs, at::TensorList lses, const at::Te
   float* outp = out.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Inputs are checked above: nothing may throw in the parallel region.
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(depth);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t* parts = ip + r * depth;

@@ -68,6 +68,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #if (defined(__AVX512BF16__) && defined(__AVX512VL__)) || defined(__AVX512F__)
@@ -397,7 +398,7 @@ void swiglu_rows_by_panels(const X* x, const W* packed, float* y, int64_t k, int
 // out the work; `run_task(row_lo, row_hi, p_lo, p_hi)` does one.
 template <class F>
 void parallel_tasks(int64_t m, int64_t panels, F run_task) {
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = kvcache_par::num_threads();
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   const int64_t groups = std::min(panels, std::max<int64_t>(1, (4 * threads + chunks - 1) / chunks));
   const int64_t tasks = chunks * groups;
@@ -411,7 +412,7 @@ void parallel_tasks(int64_t m, int64_t panels, F run_task) {
   if (threads == 1 || tasks == 1) {
     run(0, tasks);
   } else {
-    at::parallel_for(0, tasks, 1, run);
+    kvcache_par::parallel_for(0, tasks, 1, run);
   }
 }
 
@@ -492,10 +493,10 @@ at::Tensor rounded_pairs(const at::Tensor& x) {
   at::Tensor xw = at::empty({m, (k + 1) / 2}, x.options().dtype(at::kInt));
   const float* xp = x.data_ptr<float>();
   uint32_t* wp = reinterpret_cast<uint32_t*>(xw.data_ptr<int32_t>());
-  if (m * k < 32768 || at::in_parallel_region()) {
+  if (m * k < 32768 || kvcache_par::in_parallel_region()) {
     round_rows(xp, wp, k, 0, m);
   } else {
-    at::parallel_for(0, m, 64, [&](int64_t lo, int64_t hi) { round_rows(xp, wp, k, lo, hi); });
+    kvcache_par::parallel_for(0, m, 64, [&](int64_t lo, int64_t hi) { round_rows(xp, wp, k, lo, hi); });
   }
   return xw;
 }

@@ -30,6 +30,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -340,7 +341,7 @@ void decode_items(const float* qp, const T* kp, const T* vp, const int64_t* slot
                   int64_t items, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim, float fscale,
                   float* op, float* lp) {
   // One task per item. Inputs are checked by the caller: nothing may throw in the parallel region.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, query, acc;
     for (int64_t i = begin; i < end; ++i) {
       const float* qi = qp + i * heads * dim;

@@ -36,6 +36,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -685,9 +686,9 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t num_jobs = static_cast<int64_t>(jobs.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_jobs));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(kvcache_par::num_threads(), num_jobs));
   // Inputs are checked above: nothing may throw in the parallel region.
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     scratch.reserve(sh.dim);
     // Uninitialised: every job's gather writes all of its part (zeros past the keys), and

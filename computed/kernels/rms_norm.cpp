@@ -22,6 +22,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -67,7 +68,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, yp + r * n, n, feps);
   });
   return y;
@@ -88,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   float* yp = y.data_ptr<float>();
   float* sp = sum.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* sr = sp + r * n;
       for (int64_t j = 0; j < n; ++j) sr[j] = xp[r * n + j] + rp[r * n + j];

@@ -23,6 +23,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
+
 #include <tuple>
 
 namespace {
@@ -32,7 +34,7 @@ void rotate(const at::Tensor& x, const float* cos, const float* sin, at::Tensor&
   const int64_t st = x.stride(0), sh = x.stride(1);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + t * dim;
       const float* s = sin + t * dim;

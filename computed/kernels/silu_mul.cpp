@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -37,7 +38,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Rows of a few kilobytes: one thread below about 64 KB of output.
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
+  kvcache_par::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = xp + r * 2 * width;
       const float* up = gate + width;
