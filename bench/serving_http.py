@@ -51,7 +51,11 @@ WORKLOADS = {
     "unrelated": ["--dataset-name", "random", "--random-input-len", "1040", "--random-output-len", "64"],
 }  # fmt: skip
 DTYPES = ("float32", "bfloat16")
-ROUNDS = 2  # runs a side per workload and dtype, in turns; each side keeps its best
+# Runs a side per workload and dtype, in turns; each side keeps its best. 4, not 2: with
+# 2, the same code's shared-prefix ratio was 1.32x one run and 1.16x the next (ours
+# 4,664 then 4,140 tok/s; 5 paired rounds in one window gave ours 5,111-6,781, vLLM
+# 3,186-5,206, so one side's best of 2 may miss its good rounds entirely).
+ROUNDS = 4
 # computed keeps torch's default threads (one per core). Tried: every core but one, left to
 # the gateway, blockd and the client: the shared workload (streaming-bound) did better on
 # the 2-core machine while others ran (6 interleaved pairs, bfloat16: median 2,150 output
