@@ -75,11 +75,12 @@ async def generate(
     max_tokens: int,
     stream_interval: int = 1,
     stop_token_ids: tuple[int, ...] = (),
+    decoder=None,
 ) -> list[GenerationChunk]:
     _, queue = engine.add_request(
         prompt,
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_token_ids),
-        SilentDecoder(),
+        decoder or SilentDecoder(),
         stream_interval=stream_interval,
     )
     chunks = [await asyncio.wait_for(queue.get(), timeout=30)]
@@ -503,16 +504,7 @@ def test_the_stop_token_that_ends_a_completion_is_in_its_tokens_not_its_text(tin
         engine, _ = build(tiny_models)
         await engine.start()
         try:
-            _, queue = engine.add_request(
-                PROMPT,
-                SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=stop_token_ids),
-                CharDecoder(),
-                stream_interval=stream_interval,
-            )
-            chunks = [await asyncio.wait_for(queue.get(), timeout=30)]
-            while chunks[-1].finish_reason is None:
-                chunks.append(await asyncio.wait_for(queue.get(), timeout=30))
-            return chunks
+            return await generate(engine, PROMPT, 12, stream_interval, stop_token_ids, CharDecoder())
         finally:
             await engine.stop(0)
 
