@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 from typing import Any
 
 import structlog
@@ -196,15 +197,23 @@ def route_label(scope: Scope) -> str:
 UNMATCHED = "unmatched"
 
 
-def worker_fields(kind: str, body: dict[str, Any]) -> dict[str, str]:
+def _field_names(prompt: str, max_name: str) -> Mapping[str, str]:
+    same = {name: name for name in SAME_NAMED_FIELDS}
+    return MappingProxyType({**same, "prompt_token_ids": prompt, "prompt": prompt, "max_tokens": max_name})
+
+
+# The three ways a request names the worker's fields, built once (not per request).
+_COMPLETION_FIELDS = _field_names("prompt", "max_tokens")
+_CHAT_FIELDS = _field_names("messages", "max_tokens")
+_CHAT_COMPLETION_TOKENS_FIELDS = _field_names("messages", "max_completion_tokens")
+
+
+def worker_fields(kind: str, body: dict[str, Any]) -> Mapping[str, str]:
     """The worker's field names -> the request's, to say a worker's refusal in the client's
     words (gateway.errors.from_daemon)."""
-    prompt = "messages" if kind == "chat" else "prompt"
-    max_name = "max_tokens"
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_name = "max_completion_tokens"
-    same = {name: name for name in SAME_NAMED_FIELDS}
-    return {**same, "prompt_token_ids": prompt, "prompt": prompt, "max_tokens": max_name}
+    if kind != "chat":
+        return _COMPLETION_FIELDS
+    return _CHAT_COMPLETION_TOKENS_FIELDS if body.get("max_completion_tokens") is not None else _CHAT_FIELDS
 
 
 def _echo_request_id(scope: Scope, send: Send) -> Send:

@@ -2,8 +2,9 @@
 
 GET /v1/models (and /v1/models/{id}) with `max_model_len`; POST /tokenize and
 /detokenize (a worker of the model does it, so the ids are the ones Generate sees);
-GET /version (every GET here also answers HEAD, as probes send it); and every path FastAPI itself would answer (404, 405) in OpenAI's
-error shape rather than FastAPI's `{"detail": ...}`.
+GET /version (every GET here also answers HEAD, as probes send it); and every path
+FastAPI itself would answer (404, 405) in OpenAI's error shape rather than FastAPI's
+`{"detail": ...}`.
 """
 
 from __future__ import annotations

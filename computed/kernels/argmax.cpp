@@ -11,7 +11,6 @@
 //   index  (N,)    int64: the first position of the row's maximum, as torch.argmax gives
 //                  (a NaN counts as the maximum: the first NaN's position)
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -14,7 +14,6 @@
 //   slots        (T,) int64: row t goes to slot slots[t], every slot inside the pool and
 //                none twice (the batch's plan checks that; a repeat would keep the last)
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 

@@ -18,7 +18,6 @@
 //                          m = max_p lse_p, over the partials p of the row, in index order
 // Every row needs at least one partial whose lse is finite.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

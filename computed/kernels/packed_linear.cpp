@@ -62,7 +62,6 @@
 // (medians of 10 and 16); decode steps alike (64 and 8 rows). Hot and alone the pair
 // gains less (`python -m bench.attention_kernels`, linear block, "swiglu": 7.2 -> 7.0 ms).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>

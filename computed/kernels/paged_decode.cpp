@@ -25,7 +25,6 @@
 //   lse       (I, H)          float32, log-sum-exp of the scaled scores (for the merge)
 // Query head h reads K/V head h / (H / Hkv) (grouped-query attention).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

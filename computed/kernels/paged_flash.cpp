@@ -31,7 +31,6 @@
 // values (every row sees key 0); callers drop them. A NaN score gets weight 0 here (the
 // vector max and 2^x skip it) where torch's kernel would propagate it.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -181,7 +181,7 @@ class Pool {
   }
 
   void ensure_helpers(int64_t wanted) {
-    while (static_cast<int64_t>(num_helpers_) < std::min<int64_t>(wanted, kIndexMask)) {
+    while (static_cast<int64_t>(num_helpers_) < wanted) {
       const int64_t index = static_cast<int64_t>(num_helpers_);
       std::thread([this, index] { helper(index); }).detach();
       ++num_helpers_;

@@ -17,7 +17,6 @@
 //   sum = x + residual (as torch adds them), y = rms_norm(sum, weight, eps): a decoder
 //   layer's residual add and the next norm in one pass, bit for bit the two calls.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>

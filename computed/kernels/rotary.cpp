@@ -18,7 +18,6 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -13,7 +13,6 @@
 //   x  (T, 2I)  float32, contiguous: gate's columns, then up's
 //   y  (T, I)   float32
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
