@@ -38,10 +38,24 @@ _MAX_TURNS_BETWEEN_STEPS = 8
 
 
 class EngineObserver(Protocol):
-    """Optional hooks for metrics (histograms); counters live in EngineStats."""
+    """Optional hooks for metrics (histograms); counters live in EngineStats.
+
+    A request's phases, each observed once, in this order, from the moments the engine
+    stamps (`_Request`): `on_admission` (received by the service -> queued here: parsing,
+    tokenization, checks; only when the caller says when it received it), `on_queued`
+    (queued -> the start of its first forward: a free slot, blockd's answer, the step in
+    progress), `on_first_token` (queued -> its first token, so the queue time plus
+    `on_prefill`, first forward -> first token), then `on_finished` (queued -> the last
+    token, and the mean time per output token after the first when there are two or more;
+    None otherwise). A request cancelled or failed earlier skips the phases it never
+    reached."""
 
     def on_step(self, seconds: float) -> None: ...
+    def on_admission(self, seconds: float) -> None: ...
+    def on_queued(self, seconds: float) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
+    def on_prefill(self, seconds: float) -> None: ...
+    def on_finished(self, seconds: float, per_output_token: float | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class _Request:
     queue: ChunkSink
     arrival: float
     stream_interval: int = 1
+    first_forward_at: float | None = None  # the start of the first forward it ran in
     first_token_at: float | None = None
     held_tokens: list[int] = field(default_factory=list)
     held_text: list[str] = field(default_factory=list)
@@ -238,10 +253,12 @@ class Engine:
         retention_priority: int = 0,
         stream_interval: int = 1,
         sink: ChunkSink | None = None,
+        received_at: float | None = None,
     ) -> tuple[int, ChunkSink]:
         """Queue a request; its chunks arrive on `sink` (a new queue when None), which is
         returned (the last chunk has usage): the first token at once, then one chunk per
-        `stream_interval` tokens."""
+        `stream_interval` tokens. `received_at` (time.monotonic()): when the caller
+        received it, for the admission time (EngineObserver)."""
         assert stream_interval >= 1, f"stream_interval must be >= 1, got {stream_interval}"
         seq = Sequence(
             next(self._sequence_ids),
@@ -260,6 +277,8 @@ class Engine:
             time.monotonic(),
             stream_interval,
         )
+        if received_at is not None and self.observer is not None:
+            self.observer.on_admission(max(0.0, req.arrival - received_at))
         self._requests[seq.sequence_id] = req
         self.runner.add_sequence(seq.sequence_id, params.seed)
         self.scheduler.add(seq)
@@ -585,6 +604,8 @@ class Engine:
         batch = self.runner.prepare(chunks)
         budgets = self.scheduler.decode_budgets(chunks)
         started = time.monotonic()
+        if self.observer is not None:
+            self._first_forwards(chunks, started)
         burst = None if budgets is None else _BurstSteps(chunks, self._take_step, asyncio.get_running_loop())
         try:
             if burst is not None:
@@ -612,6 +633,20 @@ class Engine:
         else:
             self._take_step(chunks, sampled)
 
+    def _first_forwards(self, chunks: list[ScheduledChunk], started: float) -> None:
+        """Stamp the requests whose first forward this is (their queue time). Only rows
+        that have sampled nothing yet can be: a decode row costs one attribute read."""
+        observer = self.observer
+        assert observer is not None
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.num_completion_tokens:
+                continue
+            req = self._requests.get(seq.sequence_id)
+            if req is not None and req.first_forward_at is None:
+                req.first_forward_at = started
+                observer.on_queued(started - req.arrival)
+
     def _take_step(self, chunks: list[ScheduledChunk], sampled: list[int | None]) -> None:
         """One forward step's results, in order: counters, the scheduler's bookkeeping
         (K/V now in the pool, tokens appended, commits queued), then each new token out."""
@@ -635,6 +670,8 @@ class Engine:
             req.first_token_at = time.monotonic()
             if self.observer is not None:
                 self.observer.on_first_token(req.first_token_at - req.arrival)
+                if req.first_forward_at is not None:
+                    self.observer.on_prefill(req.first_token_at - req.first_forward_at)
         token = seq.token_ids[-1]
         # The stop token that ended the sequence is in its tokens (and logprobs), not its text.
         silent = seq.finish_reason == "stop" and token in self.scheduler.stop_token_ids(seq)
@@ -681,6 +718,10 @@ class Engine:
         )
         req.last(req.output.finish(stopped=stopped or reason == "cancelled"), reason, usage)
         self._fed.append(req.queue)
+        if self.observer is not None and req.first_token_at is not None:
+            n = seq.num_completion_tokens
+            per_token = (now - req.first_token_at) / (n - 1) if n > 1 else None
+            self.observer.on_finished(now - req.arrival, per_token)
 
 
 def _failed(step: asyncio.Task[DirectoryResult | None]) -> bool:

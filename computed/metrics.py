@@ -9,27 +9,71 @@ from computed.engine import Engine
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A request's phases before its first token run from well under a millisecond (admitting
+# a token-id prompt) to seconds (a long queue).
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
 class Histograms:
-    """Histograms the engine feeds as things happen (counters are read from stats)."""
+    """Histograms the engine feeds as things happen (counters are read from stats): a
+    request's time to first token and its parts (the phases of EngineObserver), its
+    total time and time per output token, and the engine's step time."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft = Histogram(
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=registry)
+
+        self.ttft = histogram(
             "computed_time_to_first_token_seconds",
-            "Time to first token",
-            buckets=TTFT_BUCKETS,
-            registry=registry,
+            "Time to first token: queued in the engine -> first token (queue + prefill)",
+            TTFT_BUCKETS,
         )
-        self.step = Histogram(
-            "computed_step_seconds", "Engine iteration wall time", buckets=STEP_BUCKETS, registry=registry
+        self.admission = histogram(
+            "computed_request_admission_seconds",
+            "Received -> queued in the engine: parsing, tokenization, checks",
+            PHASE_BUCKETS,
         )
+        self.queue = histogram(
+            "computed_request_queue_seconds",
+            "Queued in the engine -> its first forward starts (a slot, blockd's answer, the step in progress)",
+            PHASE_BUCKETS,
+        )
+        self.prefill = histogram(
+            "computed_request_prefill_seconds",
+            "Its first forward starts -> its first token (every chunk of an uncached prompt)",
+            PHASE_BUCKETS,
+        )
+        self.total = histogram(
+            "computed_request_seconds", "Queued in the engine -> its last token", REQUEST_BUCKETS
+        )
+        self.per_token = histogram(
+            "computed_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request of two or more",
+            PER_TOKEN_BUCKETS,
+        )
+        self.step = histogram("computed_step_seconds", "Engine iteration wall time", STEP_BUCKETS)
 
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
 
+    def on_admission(self, seconds: float) -> None:
+        self.admission.observe(seconds)
+
+    def on_queued(self, seconds: float) -> None:
+        self.queue.observe(seconds)
+
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def on_prefill(self, seconds: float) -> None:
+        self.prefill.observe(seconds)
+
+    def on_finished(self, seconds: float, per_output_token: float | None) -> None:
+        self.total.observe(seconds)
+        if per_output_token is not None:
+            self.per_token.observe(per_output_token)
 
 
 class _EngineCollector:

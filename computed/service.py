@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,8 +136,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the completion; a slow reader gets the backlog as one message."""
+        received = time.monotonic()
         admitted = await self._admit(request)
-        sequence_id, queue = self._start(admitted)
+        sequence_id, queue = self._start(admitted, received_at=received)
         request_id = admitted.request_id or f"req-{sequence_id}"
         finished = False
         try:
@@ -169,9 +171,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         starting: dict[int, asyncio.Task[None]] = {}
         cancelled: set[int] = set()
 
-        async def start(key: int, request: pb.GenerateRequest) -> None:
+        async def start(key: int, request: pb.GenerateRequest, received: float) -> None:
             try:
-                await self._start_keyed(key, request, outbox, live)
+                await self._start_keyed(key, request, outbox, live, received)
                 if key in cancelled and key in live:
                     self.engine.abort(live[key][0])
             finally:
@@ -196,7 +198,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                 f"key {key} is in use by an unfinished request on this stream; "
                                 "use another key, or wait for its last update"
                             )
-                        starting[key] = asyncio.create_task(start(key, message.generate))
+                        starting[key] = asyncio.create_task(start(key, message.generate, time.monotonic()))
                     else:
                         raise RequestError("a GenerateManyRequest needs generate or cancel")
             finally:
@@ -237,11 +239,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request: pb.GenerateRequest,
         outbox: Outbox[GenerationChunk | Exception],
         live: dict[int, tuple[int, str]],
+        received: float,
     ) -> None:
-        """Admit and start one request of a GenerateMany stream; a refusal is its update."""
+        """Admit and start one request of a GenerateMany stream (read from it at
+        `received`); a refusal is its update."""
         try:
             admitted = await self._admit(request)
-            sequence_id, _ = self._start(admitted, outbox.sink(key))
+            sequence_id, _ = self._start(admitted, outbox.sink(key), received)
         except Exception as exc:  # noqa: BLE001 - the request's own status
             outbox.put(key, exc)
             return
@@ -277,7 +281,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise ShuttingDown("computed is shutting down; retry elsewhere")
         return await self.admissions.admit(_generate_input(request))
 
-    def _start(self, admitted: AdmittedRequest, sink: ChunkSink | None = None) -> tuple[int, Any]:
+    def _start(
+        self, admitted: AdmittedRequest, sink: ChunkSink | None = None, received_at: float | None = None
+    ) -> tuple[int, Any]:
         return self.engine.add_request(
             admitted.prompt_token_ids,
             admitted.params,
@@ -288,6 +294,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             admitted.retention_priority,
             admitted.stream_interval,
             sink,
+            received_at,
         )
 
     @unary

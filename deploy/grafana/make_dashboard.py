@@ -84,6 +84,35 @@ PANELS = [
         ],
     ),
     (
+        "Time to first token by phase (workers, mean per request)",
+        "s",
+        [
+            (
+                (
+                    f"sum(rate(computed_request_{phase}_seconds_sum{RATE})) "
+                    f"/ sum(rate(computed_request_{phase}_seconds_count{RATE}))"
+                ),
+                legend,
+            )
+            for phase, legend in (
+                ("admission", "admission (tokenize, check)"),
+                ("queue", "queue (slot, blockd, step in progress)"),
+                ("prefill", "prefill"),
+            )
+        ],
+    ),
+    (
+        "Time per output token (workers)",
+        "s",
+        [
+            (
+                f"histogram_quantile({q}, sum by (le) (rate(computed_time_per_output_token_seconds_bucket{RATE})))",
+                f"p{round(q * 100)}",
+            )
+            for q in (0.5, 0.95)
+        ],
+    ),
+    (
         "Directory wait per step (blockd Step as the workers wait for it)",
         "s",
         [

@@ -565,3 +565,66 @@ def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
     assert runner.run_steps(decode, [2, 4], never, threading.Event()) == [
         [a, b if j < 4 else None] if j < 2 else [None, b] for j, (a, b) in enumerate(one_by_one[:4])
     ]
+
+
+class PhaseRecorder:
+    """An EngineObserver that keeps every call, in order, as (hook, values...)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_step(self, seconds: float) -> None:
+        pass
+
+    def on_admission(self, seconds: float) -> None:
+        self.calls.append(("admission", seconds))
+
+    def on_queued(self, seconds: float) -> None:
+        self.calls.append(("queued", seconds))
+
+    def on_first_token(self, seconds: float) -> None:
+        self.calls.append(("first_token", seconds))
+
+    def on_prefill(self, seconds: float) -> None:
+        self.calls.append(("prefill", seconds))
+
+    def on_finished(self, seconds: float, per_output_token: float | None) -> None:
+        self.calls.append(("finished", seconds, per_output_token))
+
+
+def test_each_request_reports_its_phases_once_in_order(tiny_models: TinyModels) -> None:
+    """Admission (only when the caller says when it received the request), queue, first
+    token = queue + prefill, then the total and the time per output token after the first
+    (none for a one-token completion)."""
+
+    async def run() -> None:
+        engine, _ = build(tiny_models)
+        recorder = PhaseRecorder()
+        engine.observer = recorder
+        await engine.start()
+        try:
+            received = time.monotonic() - 0.25  # as if parsing and tokenizing took 0.25 s
+            _, queue = engine.add_request(
+                PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), SilentDecoder(), received_at=received
+            )
+            while (await asyncio.wait_for(queue.get(), timeout=30)).finish_reason is None:
+                pass
+            first_calls = list(recorder.calls)
+            await generate(engine, PROMPT[:5], max_tokens=1)
+            await settle(engine)
+        finally:
+            await engine.stop(drain_seconds=1)
+
+        kinds = [c[0] for c in first_calls]
+        assert kinds == ["admission", "queued", "first_token", "prefill", "finished"], kinds
+        admission, queued, first, prefill, finished = (c[1] for c in first_calls)
+        assert 0.25 <= admission < 5.0
+        assert abs(first - (queued + prefill)) < 1e-6, "time to first token is the queue time plus the prefill"
+        assert min(queued, prefill) >= 0 and finished >= first
+        per_token = first_calls[-1][2]
+        assert per_token is not None and 0 < per_token <= finished - first
+        second = recorder.calls[len(first_calls) :]
+        assert [c[0] for c in second] == ["queued", "first_token", "prefill", "finished"], second
+        assert second[-1][2] is None, "a one-token completion has no time per output token"
+
+    asyncio.run(run())

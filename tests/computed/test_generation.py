@@ -175,6 +175,31 @@ def test_second_identical_prompt_computes_only_uncached_tokens(stack):
     assert after - before == len(p) - 10 * BLOCK, "only the uncached tail may run through the model"
 
 
+def test_metrics_break_the_time_to_first_token_into_its_phases(stack):
+    """Every request the daemon served counts once in each phase, and the queue and
+    prefill times add up to the time to first token (the same two moments apart)."""
+    names = (
+        "computed_request_admission_seconds",
+        "computed_request_queue_seconds",
+        "computed_request_prefill_seconds",
+        "computed_time_to_first_token_seconds",
+        "computed_request_seconds",
+        "computed_time_per_output_token_seconds",
+    )
+    before = {n: (_metric(stack, n + "_count"), _metric(stack, n + "_sum")) for n in names}
+    for i in range(3):
+        stack.generate(prompt(50 + i, 2 * BLOCK + 1), 4)
+    stack.wait_idle()
+    after = {n: (_metric(stack, n + "_count"), _metric(stack, n + "_sum")) for n in names}
+    count = {n: after[n][0] - before[n][0] for n in names}
+    total = {n: after[n][1] - before[n][1] for n in names}
+    assert all(c == 3 for c in count.values()), count
+    queue, prefill = total["computed_request_queue_seconds"], total["computed_request_prefill_seconds"]
+    assert abs(queue + prefill - total["computed_time_to_first_token_seconds"]) < 1e-6
+    assert total["computed_request_seconds"] >= total["computed_time_to_first_token_seconds"] > 0
+    assert total["computed_request_admission_seconds"] > 0
+
+
 def test_no_block_referenced_after_requests(stack):
     stack.generate(prompt(40, 11), 3)
     stats = stack.wait_idle()
