@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.stack import read_metrics_port, scrape_metrics
 from clients.spawn import start_blockd, start_computed, start_gateway
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="serving-http-"))
     rows = measure(out, args)
     print(table(rows + best_rows(rows)))
+    print(phases_table(rows))
     print(f"results: {out}")
 
 
@@ -106,7 +108,13 @@ def run(ctx: BenchContext) -> BenchResult:
         "OpenAI server (block size 32), same model, same machine; per dtype (float32, then bfloat16) each "
         "workload runs on vLLM's server and then on ours. The headline rows compare each side's fastest "
         "run per workload, whatever its dtype; the rows below them compare the same dtype. Neither side is "
-        "told a temperature: ours serves greedy, vLLM its checkpoint's generation config.\n\n" + table(rows)
+        "told a temperature: ours serves greedy, vLLM its checkpoint's generation config.\n\n"
+        + table(rows)
+        + "\n\nWhere our time to first token went in each run kept above: the client's mean beside our "
+        "worker's, in its parts (computed's /metrics: admission = received, parsed, tokenized, checked; "
+        "queue = until its first forward starts; prefill = to its first token; queue + prefill = the "
+        "worker's TTFT); the rest is the client, HTTP, the gateway and gRPC both ways.\n\n"
+        + phases_table(rows)
     )
     return BenchResult("serving", TITLE, figures, details)
 
@@ -133,8 +141,18 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
     try:
         for dtype in DTYPES:
             computed = start_computed(
-                out, blockd.address, "--dtype", dtype, model=MODEL_DIR, name=f"computed-{dtype}"
+                out,
+                blockd.address,
+                "--dtype",
+                dtype,
+                "--metrics-port",
+                "0",
+                "--log-format",
+                "json",
+                model=MODEL_DIR,
+                name=f"computed-{dtype}",
             )
+            metrics_port = read_metrics_port(computed)
             gateway = start_gateway(out, [computed.address], blockd=blockd.address, name=f"gateway-{dtype}")
             vllm, vllm_url = _start_vllm(out, dtype)
             try:
@@ -147,7 +165,10 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
                     for seed in range(args.rounds):
                         tag = f"{name}_{dtype}_{seed}"
                         for side, url in (("vllm", vllm_url), ("ours", f"http://{gateway.address}")):
+                            before = scrape_metrics(metrics_port) if side == "ours" else None
                             result = _bench(url, name, flags, out / f"{side}_{tag}.json", args, seed)
+                            if before is not None:
+                                result[PHASES_KEY] = worker_phases(before, scrape_metrics(metrics_port))
                             if (
                                 side not in best
                                 or result["output_throughput"] > best[side]["output_throughput"]
@@ -162,6 +183,42 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
     finally:
         blockd.stop()
     return rows
+
+
+# Our worker's time to first token in its parts (computed's /metrics, EngineObserver):
+# name in a result -> metric.
+PHASES_KEY = "worker_phases_ms"
+PHASES = {
+    "admission": "computed_request_admission_seconds",
+    "queue": "computed_request_queue_seconds",
+    "prefill": "computed_request_prefill_seconds",
+    "worker TTFT": "computed_time_to_first_token_seconds",
+}
+
+
+def worker_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each phase's mean ms per request between two scrapes of computed's /metrics."""
+    out = {}
+    for name, metric in PHASES.items():
+        count = after[metric + "_count"] - before.get(metric + "_count", 0.0)
+        total = after[metric + "_sum"] - before.get(metric + "_sum", 0.0)
+        out[name] = 1000 * total / count if count else float("nan")
+    return out
+
+
+def phases_table(rows: list[tuple[str, dict, dict]]) -> str:
+    """Where our time to first token went in each kept run: the client's mean beside the
+    worker's phases (the rest is the client, HTTP, the gateway and gRPC both ways)."""
+    lines = [
+        "| workload | client TTFT mean ms | worker: " + " | ".join(PHASES) + " (mean ms) |",
+        "|---|---|" + "---|" * len(PHASES),
+    ]
+    for name, ours, _ in rows:
+        phases = ours.get(PHASES_KEY)
+        if phases is not None:
+            cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+            lines.append(f"| {name} | {ours['mean_ttft_ms']:.1f} | {cells} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[tuple[str, dict, dict]]) -> str:

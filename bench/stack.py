@@ -54,7 +54,7 @@ class Stack:
                 model=self.model,
                 env=self.env,
             )
-            self.metrics_port = self._read_metrics_port()
+            self.metrics_port = read_metrics_port(self.computed)
         except BaseException:
             self.close()
             raise
@@ -80,26 +80,33 @@ class Stack:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of computed's /metrics, e.g. computed_prefill_tokens_total."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        return {
-            sample.name: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if not sample.labels
-        }
+        assert self.metrics_port is not None, "stack not started"
+        return scrape_metrics(self.metrics_port)
 
-    def _read_metrics_port(self, timeout: float = 30.0) -> int:
-        assert self.computed is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.computed.log().splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and record.get("event") == "metrics_serving":
-                    return int(record["port"])
-            time.sleep(0.05)
-        raise RuntimeError(f"computed logged no metrics_serving line:\n{self.computed.log()[-2000:]}")
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Unlabelled samples of the /metrics on loopback `port`: {sample name: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def read_metrics_port(computed: Daemon, timeout: float = 30.0) -> int:
+    """The port a computed started with `--metrics-port 0 --log-format json` bound, from
+    its `metrics_serving` log line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in computed.log().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("event") == "metrics_serving":
+                return int(record["port"])
+        time.sleep(0.05)
+    raise RuntimeError(f"computed logged no metrics_serving line:\n{computed.log()[-2000:]}")

@@ -619,7 +619,9 @@ def test_each_request_reports_its_phases_once_in_order(tiny_models: TinyModels) 
         assert kinds == ["admission", "queued", "first_token", "prefill", "finished"], kinds
         admission, queued, first, prefill, finished = (c[1] for c in first_calls)
         assert 0.25 <= admission < 5.0
-        assert abs(first - (queued + prefill)) < 1e-6, "time to first token is the queue time plus the prefill"
+        assert abs(first - (queued + prefill)) < 1e-6, (
+            "time to first token is the queue time plus the prefill"
+        )
         assert min(queued, prefill) >= 0 and finished >= first
         per_token = first_calls[-1][2]
         assert per_token is not None and 0 < per_token <= finished - first
