@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import MappingProxyType
@@ -92,6 +93,7 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
     async def _serve(
         endpoint: str, authorization: str | None, request_id: str | None, raw: bytes
     ) -> Response:
+        received = time.monotonic()
         tenant = _authenticate(tenants, authorization)
         parse = parse_chat if endpoint == "chat" else parse_completion
         try:
@@ -124,6 +126,7 @@ def build_app(config: GatewayConfig, fleet: Fleet | None = None, tenants: Tenant
             for j in range(req.n)
         ]
         await _start_all(generations)
+        metrics.FIRST_CHUNK.observe(time.monotonic() - received)
         headers = {"x-request-id": request_id, WORKER_HEADER: _workers(generations)}
         if req.stream:
             events = _events(reply, req, generations)

@@ -32,6 +32,13 @@ TTFT = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     registry=REGISTRY,
 )
+FIRST_CHUNK = Histogram(
+    "gateway_time_to_first_chunk_seconds",
+    "Received -> the first message of each of the request's generations is in (parsing, placement, "
+    "gRPC both ways and the workers' admission and time to first token): the gateway's own view",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
 DISCONNECTS = Counter(
     "gateway_client_disconnects",
     "Streams whose client went away before the end (generation cancelled)",

@@ -67,6 +67,10 @@ PANELS = [
                 f"histogram_quantile(0.95, sum by (le) (rate(computed_time_to_first_token_seconds_bucket{RATE})))",
                 "computed p95",
             ),
+            (
+                f"histogram_quantile(0.95, sum by (le) (rate(gateway_time_to_first_chunk_seconds_bucket{RATE})))",
+                "gateway's own view (received -> first message in) p95",
+            ),
         ],
     ),
     (

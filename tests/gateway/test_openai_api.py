@@ -144,7 +144,19 @@ def test_health_and_metrics(gw: GatewayStack) -> None:
     health = json.loads(body)
     assert status == 200
     assert health["status"] == "ok" and health["workers_up"] == 2 and health["models"] == [MODEL]
+    first_chunks = _sample(
+        http(gw.gateway.address, "GET", "/metrics")[2], "gateway_time_to_first_chunk_seconds_count"
+    )
     gw.client().completions.create(model=MODEL, prompt=unique_prompt(), max_tokens=2)
     text = http(gw.gateway.address, "GET", "/metrics")[2]
+    assert _sample(text, "gateway_time_to_first_chunk_seconds_count") == first_chunks + 1
     assert 'gateway_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'gateway_tokens_total{kind="cached"}' in text
+
+
+def _sample(text: str, name: str) -> float:
+    """An unlabelled sample's value in Prometheus text (0 when it is not there yet)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
