@@ -14,6 +14,16 @@ engine 2.3 ms apart: the last one 70 ms after the first, behind two or three dec
 
 Ordering: callers are answered in the order they called, so a burst reaches the engine in
 the order it arrived. A caller that goes away before its answer is skipped.
+
+A short text (at most `inline_chars` characters of prompt or message content) that finds the
+batcher idle (nothing queued, no batch running) is admitted inline, on the loop: nothing can
+be overtaken, and the hop off the loop and back costs more than its tokenizing. Measured on
+the built-in model's tokenizer: an 11-character prompt 9 us inline against 84 us through an
+idle batcher, in process; in the daemon, 60 lone short requests through the gateway, 3
+interleaved runs a side, the admission phase (`computed_request_admission_seconds`) went
+from 0.22-0.31 ms to 0.13-0.17 ms (a one-line prompt) and from 0.26-0.39 to 0.22-0.25 ms (a
+two-message chat); the client's time to first token, ~3-4 ms, moved within the machine's
+drift. 1,000 characters cost ~0.2 ms inline, the most a turn of the loop may take here.
 """
 
 from __future__ import annotations
@@ -29,15 +39,22 @@ Entry = tuple[GenerateInput, "asyncio.Future[AdmittedRequest]"]
 # time, not the whole burst's. A burst of 10-15 1,040-token prompts had taken 9-20 ms in
 # one call, and each of them waited for all (`bench.serving_http`, shared workload).
 DEFAULT_CHUNK = max(2, os.cpu_count() or 2)
+# Prompt or message characters admitted inline when the batcher is idle (see the module
+# docstring): ~0.2 ms of the loop at the most (500 characters: 98 us, 2,000: 362 us).
+DEFAULT_INLINE_CHARS = 1_000
 
 
 class AdmissionBatcher:
     """`RequestPolicy.admit`, with concurrent text prompts tokenized together."""
 
-    def __init__(self, policy: RequestPolicy, chunk_size: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self, policy: RequestPolicy, chunk_size: int = DEFAULT_CHUNK, inline_chars: int = DEFAULT_INLINE_CHARS
+    ) -> None:
         assert chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}"
+        assert inline_chars >= 0, f"inline_chars must be >= 0, got {inline_chars}"
         self._policy = policy
         self._chunk_size = chunk_size
+        self._inline_chars = inline_chars
         self._queue: list[Entry] = []
         self._drain: asyncio.Task[None] | None = None
 
@@ -45,11 +62,18 @@ class AdmissionBatcher:
         """The admitted request, or the policy's error for it (RequestError, CapacityError)."""
         if not (given.prompt or given.messages):
             return self._policy.admit(given)
+        if self.is_idle and _num_chars(given) <= self._inline_chars:
+            return self._policy.admit(given)
         future: asyncio.Future[AdmittedRequest] = asyncio.get_running_loop().create_future()
         self._queue.append((given, future))
         if self._drain is None or self._drain.done():
             self._drain = asyncio.create_task(self._run(), name="admission-batch")
         return await future
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing queued and no batch running: an inline admission overtakes nobody."""
+        return not self._queue and (self._drain is None or self._drain.done())
 
     async def _run(self) -> None:
         """Batches until the queue is empty; what arrives during one batch is the next."""
@@ -84,3 +108,8 @@ def _answer(chunk: list[Entry], results: list[AdmittedRequest | Exception]) -> N
             future.set_exception(result)
         else:
             future.set_result(result)
+
+
+def _num_chars(given: GenerateInput) -> int:
+    """The characters a text prompt or a chat's messages carry (what tokenizing costs by)."""
+    return len(given.prompt) + sum(len(m[1]) for m in given.messages)

@@ -70,10 +70,11 @@ def test_admit_many_answers_what_admit_answers_for_each_request() -> None:
     assert kinds.count("ok") == 3 and kinds.count("RequestError") == 7, kinds
 
 
-def _batcher(tokenizer: CountingTokenizer, chunk_size: int = 8) -> AdmissionBatcher:
+def _batcher(tokenizer: CountingTokenizer, chunk_size: int = 8, inline_chars: int = 0) -> AdmissionBatcher:
+    """inline_chars 0: every text goes through the batch (the tests of batching)."""
     p = policy()
     p.tokenizer = tokenizer
-    return AdmissionBatcher(p, chunk_size)
+    return AdmissionBatcher(p, chunk_size, inline_chars)
 
 
 def test_a_burst_of_text_prompts_is_tokenized_together_and_answered_in_call_order() -> None:
@@ -175,3 +176,68 @@ def test_a_chunk_s_callers_are_answered_before_the_next_chunk_is_tokenized() -> 
     assert answered_first == [0, 1]
     assert tokenizer.batches == [2, 2]
     assert [r.prompt_token_ids for r in results] == [list(f"p{i}".encode()) for i in range(4)]
+
+
+class InlineCountingTokenizer(CountingTokenizer):
+    """Also counts single `encode` calls (an inline admission's) and their threads."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        super().__init__(gate)
+        self.singles: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.singles.append(threading.get_ident())
+        return list(text.encode())
+
+
+def test_a_short_text_that_finds_the_batcher_idle_is_admitted_on_the_loop() -> None:
+    tokenizer = InlineCountingTokenizer()
+    batcher = _batcher(tokenizer, inline_chars=10)
+
+    async def main() -> list[AdmittedRequest]:
+        assert batcher.is_idle
+        return [
+            await batcher.admit(GenerateInput(prompt="hello")),
+            await batcher.admit(GenerateInput(messages=[("user", "hi")], max_tokens=2)),
+        ]
+
+    text, chat = asyncio.run(main())
+    assert tokenizer.singles == [threading.get_ident()] * 2, "admitted off the loop's thread"
+    assert tokenizer.batches == []
+    assert text.prompt_token_ids == list(b"hello")
+    assert chat == policy().admit(GenerateInput(messages=[("user", "hi")], max_tokens=2))
+
+
+def test_a_long_text_goes_through_the_batch_even_when_it_is_idle() -> None:
+    tokenizer = InlineCountingTokenizer()
+    batcher = _batcher(tokenizer, inline_chars=10)
+    admitted = asyncio.run(batcher.admit(GenerateInput(prompt="x" * 11)))
+    assert admitted.prompt_token_ids == list(b"x" * 11)
+    assert tokenizer.singles == [] and tokenizer.batches == [1]
+
+
+def test_a_short_text_behind_a_running_batch_keeps_its_turn() -> None:
+    """Inline only when nothing is queued or running: a short text never overtakes."""
+    gate = threading.Event()
+    tokenizer = InlineCountingTokenizer(gate)
+    batcher = _batcher(tokenizer, inline_chars=10)
+    order: list[str] = []
+
+    async def one(name: str, text: str) -> AdmittedRequest:
+        admitted = await batcher.admit(GenerateInput(prompt=text))
+        order.append(name)
+        return admitted
+
+    async def main() -> None:
+        long = asyncio.create_task(one("long", "y" * 20))
+        await asyncio.sleep(0.01)  # its batch is running, held at the gate
+        assert not batcher.is_idle
+        short = asyncio.create_task(one("short", "hi"))
+        await asyncio.sleep(0.01)
+        assert order == [], "the short text overtook the running batch"
+        gate.set()
+        await asyncio.gather(long, short)
+
+    asyncio.run(main())
+    assert order == ["long", "short"]
+    assert tokenizer.singles == [] and tokenizer.batches == [1, 1]
