@@ -9,11 +9,14 @@ runs with --max-num-batched-tokens 8192 so a 4K prefill is one chunk. The 4,096-
 row is repeated on the tests' tiny model (tests/models.py: 3 layers, hidden 64), whose
 forward is a few ms: there the TTFT is mostly what is not the model.
 
-Where a warm request's time goes: computed's forward-seconds counter around each warm
-request gives its forward (the one forward of a max_tokens=1 request, thread hand-off
-included); the rest of "inside computed" is the admission's Step to blockd (one round
-trip, ~1 ms here) and the engine's host work, and the rest of the TTFT is gRPC both ways
-and the client. Beside each ratio, the work ratio (`bench.forward_work`): the warm forward's
+Where a warm request's time goes: computed's counters around each warm request give its
+forward (the one forward of a max_tokens=1 request, thread hand-off included) and its
+queue time (`computed_request_queue_seconds`: queued in the engine until its forward
+starts, which for a lone request is the admission's Step to blockd, one round trip);
+"inside computed" is the queue time plus the prefill (the forward and the engine's host
+work around it), and its admission (`computed_request_admission_seconds`: received ->
+queued, a token-id prompt's checks) and the rest of the TTFT are gRPC both ways and the
+client. Beside each ratio, the work ratio (`bench.forward_work`): the warm forward's
 multiply-adds over the cold one's, the least the ratio could be if the warm forward ran
 at the cold one's rate and nothing else took time. At 4,096 + 64 on the default model it
 is 0.024: a goal of 0.03 leaves 0.006 of the cold TTFT (about 1.6 ms) for every fixed
@@ -83,14 +86,14 @@ def run(ctx: BenchContext) -> BenchResult:
     )
     table = [
         (
-            "| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm, inside computed (ms) | of which the forward "
-            "(ms) | warm ÷ cold | work ratio (multiply-adds) |"
+            "| shared prefix | cold TTFT (ms) | warm TTFT (ms) | warm: admission (ms) | warm, inside computed "
+            "(ms) | of which the queue (ms) | of which the forward (ms) | warm ÷ cold | work ratio (multiply-adds) |"
         ),
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     table += [
-        f"| {name} | {r.cold * 1e3:.1f} | {r.warm * 1e3:.1f} | {r.inside * 1e3:.1f} | {r.forward * 1e3:.1f} "
-        f"| {r.ratio:.4f} | {work:.4f} |"
+        f"| {name} | {r.cold * 1e3:.1f} | {r.warm * 1e3:.1f} | {r.admission * 1e3:.2f} | {r.inside * 1e3:.1f} "
+        f"| {r.queue * 1e3:.2f} | {r.forward * 1e3:.1f} | {r.ratio:.4f} | {work:.4f} |"
         for name, r, work in rows
     ]
     plot = "ttft_warm_over_cold.png"
@@ -102,20 +105,25 @@ def run(ctx: BenchContext) -> BenchResult:
         f"prefixes per length, medians (the ratio is the median of per-prefix ratios); default "
         f"model, and the tests' tiny llama (3 layers, hidden 64, 8,192 positions) at "
         f'{tiny_size:,}; computed `{" ".join(args)}`. "inside computed": the warm request\'s '
-        f"arrival to its first token as computed times it (its usage); the rest of its TTFT is "
-        f"gRPC both ways and the client.\n\n" + "\n".join(table)
+        f"arrival to its first token as computed times it (its usage): its queue time (for a lone "
+        f"request, the admission's Step to blockd) plus its prefill, the forward and the host work "
+        f"around it; its admission (received -> queued) and the rest of its TTFT are gRPC both ways "
+        f"and the client.\n\n" + "\n".join(table)
     )
     return BenchResult("ttft", TITLE, figures, details, [plot])
 
 
 class Sample(NamedTuple):
     """One prefix's requests, in seconds: the cold and warm TTFT (client), the warm one
-    inside computed, and the warm request's forward (computed's counter)."""
+    inside computed, and the warm request's forward, queue and admission times (computed's
+    counters)."""
 
     cold: float
     warm: float
     inside: float
     forward: float
+    queue: float
+    admission: float
 
 
 class Row(NamedTuple):
@@ -125,6 +133,8 @@ class Row(NamedTuple):
     warm: float
     inside: float
     forward: float
+    queue: float
+    admission: float
     ratio: float
 
 
@@ -134,13 +144,24 @@ def _row(samples: list[Sample]) -> Row:
         median(s.warm for s in samples),
         median(s.inside for s in samples),
         median(s.forward for s in samples),
+        median(s.queue for s in samples),
+        median(s.admission for s in samples),
         median(s.warm / s.cold for s in samples),
     )
 
 
-def _forward_seconds(stack: Stack) -> float:
-    """computed's seconds in forwards so far."""
-    return stack.metrics()["computed_forward_seconds_total"]
+# computed's counters read around each warm request: its forward, queue and admission.
+_COUNTERS = (
+    "computed_forward_seconds_total",
+    "computed_request_queue_seconds_sum",
+    "computed_request_admission_seconds_sum",
+)
+
+
+def _counters(stack: Stack) -> tuple[float, ...]:
+    """computed's seconds in forwards, queued and admitting, so far."""
+    metrics = stack.metrics()
+    return tuple(metrics[name] for name in _COUNTERS)
 
 
 async def _measure(
@@ -157,12 +178,14 @@ async def _measure(
                 seed = 10_000 * rep + size
                 cold_prompt, warm_prompt = shared_prefix_prompts(seed, 2, size, NEW_TOKENS, vocab)
                 cold = await generate_one(client, cold_prompt, 1)
-                forward = _forward_seconds(stack)
+                before = _counters(stack)
                 warm = await generate_one(client, warm_prompt, 1)
-                forward = _forward_seconds(stack) - forward
+                forward, queue, admission = (a - b for a, b in zip(_counters(stack), before, strict=True))
                 assert cold.cached_tokens == 0, f"a fresh prefix hit {cold.cached_tokens} tokens"
                 assert warm.cached_tokens >= size - size % 16, f"warm hit only {warm.cached_tokens}"
-                samples[size].append(Sample(cold.ttft_s, warm.ttft_s, warm.server_ttft_s, forward))
+                samples[size].append(
+                    Sample(cold.ttft_s, warm.ttft_s, warm.server_ttft_s, forward, queue, admission)
+                )
         return samples
 
 
