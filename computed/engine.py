@@ -635,7 +635,7 @@ class Engine:
 
     def _first_forwards(self, chunks: list[ScheduledChunk], started: float) -> None:
         """Stamp the requests whose first forward this is (their queue time). Only rows
-        that have sampled nothing yet can be: a decode row costs one attribute read."""
+        that have sampled nothing yet can be: a decode row costs one property read."""
         observer = self.observer
         assert observer is not None
         for chunk in chunks:

@@ -26,17 +26,19 @@ ROUTING = Counter(
     registry=REGISTRY,
 )
 INFLIGHT = Gauge("gateway_inflight_requests", "Generation requests being served", registry=REGISTRY)
+# Seconds, for both views of the time to first token.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TTFT = Histogram(
     "gateway_time_to_first_token_seconds",
     "Time to first token as the workers measured it",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    buckets=TTFT_BUCKETS,
     registry=REGISTRY,
 )
 FIRST_CHUNK = Histogram(
     "gateway_time_to_first_chunk_seconds",
     "Received -> the first message of each of the request's generations is in (parsing, placement, "
     "gRPC both ways and the workers' admission and time to first token): the gateway's own view",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    buckets=TTFT_BUCKETS,
     registry=REGISTRY,
 )
 DISCONNECTS = Counter(
