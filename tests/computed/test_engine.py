@@ -552,6 +552,35 @@ def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
     steps = runner.run_steps(decode, 6, never, threading.Event(), lambda *step: delivered.append(step))
     assert steps == one_by_one
     assert delivered == [([0, 1], step) for step in one_by_one], "each step delivered as it ran, in order"
+    # Step j is handed over just before step j + 1's forward (its streaming overlaps that
+    # forward), the last one before the burst returns.
+    events: list[str] = []
+    forward, plan = runner._run, runner._plan
+
+    def traced_forward(inp: ForwardInput, batch: object) -> list[int | None]:
+        events.append("forward")
+        return forward(inp, batch)
+
+    def traced_plan(inp: ForwardInput, previous: object) -> object:
+        events.append("plan")
+        return plan(inp, previous)
+
+    runner._run, runner._plan = traced_forward, traced_plan  # type: ignore[method-assign]
+    try:
+        runner.run_steps(decode, 3, never, threading.Event(), lambda *step: events.append("deliver"))
+    finally:
+        del runner._run, runner._plan
+    assert events == [
+        "plan",
+        "forward",
+        "plan",
+        "deliver",
+        "forward",
+        "plan",
+        "deliver",
+        "forward",
+        "deliver",
+    ]
     interrupted = threading.Event()
     interrupted.set()
     assert runner.run_steps(decode, 6, never, interrupted) == one_by_one[:1]
