@@ -228,6 +228,11 @@ class AdaptivePolicy:
       lru+seen2). A bonus capped at 8 horizons: 1.38x but 0.947 on long-conversation 5%
       and few-shot 10% 0.95 of lfu; at 1: 1.37x, 0.950; RUN_BONUS_MARGIN 0.5: 1.36x,
       0.946.
+    - not adopted, a run class of its own for continuations (a sequence whose hits end at
+      a cached leaf, an earlier sequence's end: a conversation's next turn), learned as
+      the others: conversation 2% 1.370x -> 1.383x lru, but long-conversation 25% 0.965x
+      and chat 10% 0.979x, below the 0.98 floor; aged by a fixed 1-8 horizons instead,
+      1.316-1.323x at 2%.
 
     O(1) per priority and per event, whatever the number of classes: the decayed
     counters are kept in inflated units (an event adds `scale` = DECAY^-n after n
