@@ -296,17 +296,18 @@ class ModelRunner:
         once `interrupt` is set (a request arrived or left), so it never holds another
         request back by more than a step. `deliver(rows, tokens)` gets each step's chunk
         indices and tokens, in order, once each, on this thread: step j's just before step
-        j + 1's forward (the last step's before returning). The engine hands them to its
-        event loop, which streams step j while step j + 1 runs here (the host off the
-        forward's critical path). Answers, per step, the tokens by chunk index (None for a
-        row that had left).
+        j + 1's forward (the last step's before returning, or before raising where planning
+        the next step fails). The engine hands them to its event loop, which streams step
+        j while step j + 1 runs here (the host off the forward's critical path). Answers,
+        per step, the tokens by chunk index (None for a row that had left).
 
         Why just before the next forward, not at once: the hand-off wakes the loop, whose
         streaming (~0.4 ms of Python for 32 rows) then held the GIL while this thread
-        planned the next step in Python: 1.0-1.7 ms a step between forwards (the plan alone: 0.16 ms
-        quiet); woken as the forward starts, the loop streams while the model runs outside
-        the GIL (`python -m bench --only serving`'s shared workload through our stack
-        alone, 4 interleaved pairs: 3,898 -> 4,027 output tok/s, every pair faster).
+        planned the next step in Python: 1.0-1.7 ms a step between forwards (the plan
+        alone: 0.16 ms quiet). Woken as the forward starts, the loop streams while the
+        model runs outside the GIL (`python -m bench --only serving`'s shared workload
+        through our stack alone, 4 interleaved pairs: 3,898 -> 4,027 output tok/s, every
+        pair faster).
 
         Why: a decode step's way through the event loop (schedule, prepare, the thread
         hand-off and back, the directory's Step) cost ~0.5 ms of a 2-8 ms step (in-daemon
@@ -321,17 +322,14 @@ class ModelRunner:
         rows = list(range(num_rows))  # the chunk index of each row of `inp`
         results: list[list[int | None]] = []
         batch = self._plan(inp, None)
-        pending: tuple[list[int], list[int]] | None = None  # a step ran, not yet delivered
         while True:
-            if pending is not None and deliver is not None:
-                deliver(*pending)  # the loop streams it while this step's forward runs
             sampled = self._run(inp, batch)
             tokens = [t for t in sampled if t is not None]
             step: list[int | None] = [None] * num_rows
             for r, token in zip(rows, tokens, strict=True):
                 step[r] = token
             results.append(step)
-            pending = (rows, tokens)
+            ran = rows
             keep = []
             for i, (r, token) in enumerate(zip(rows, tokens)):
                 left[r] -= 1
@@ -339,15 +337,19 @@ class ModelRunner:
                     keep.append(i)
             if not keep or interrupt.is_set():
                 if deliver is not None:
-                    deliver(*pending)
+                    deliver(ran, tokens)
                 return results
-            inp = inp.next_decode(sampled)
-            if len(keep) == len(rows):
-                batch = self._plan(inp, batch)
-                continue
-            inp = inp.subset(keep)
-            rows = [rows[i] for i in keep]
-            batch = self._plan(inp, None)
+            try:
+                inp = inp.next_decode(sampled)
+                if len(keep) == len(rows):
+                    batch = self._plan(inp, batch)
+                else:
+                    inp = inp.subset(keep)
+                    rows = [rows[i] for i in keep]
+                    batch = self._plan(inp, None)
+            finally:  # the loop streams this step while the next one's forward runs
+                if deliver is not None:
+                    deliver(ran, tokens)
 
     def _generator(self, sequence_id: SequenceId, params: SamplingParams) -> torch.Generator | None:
         if params.is_greedy:

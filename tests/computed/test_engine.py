@@ -581,6 +581,22 @@ def test_a_burst_is_the_steps_run_one_by_one_and_ends_at_an_interrupt_or_a_stop(
         "forward",
         "deliver",
     ]
+    # A step that ran is delivered even when planning the next one fails.
+    delivered.clear()
+    calls = iter([False, True])
+
+    def failing_plan(inp: ForwardInput, previous: object) -> object:
+        if next(calls):
+            raise RuntimeError("no plan")
+        return plan(inp, previous)
+
+    runner._plan = failing_plan  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="no plan"):
+            runner.run_steps(decode, 3, never, threading.Event(), lambda *step: delivered.append(step))
+    finally:
+        del runner._plan
+    assert delivered == [([0, 1], one_by_one[0])]
     interrupted = threading.Event()
     interrupted.set()
     assert runner.run_steps(decode, 6, never, interrupted) == one_by_one[:1]
