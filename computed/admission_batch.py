@@ -15,16 +15,16 @@ engine 2.3 ms apart: the last one 70 ms after the first, behind two or three dec
 Ordering: callers are answered in the order they called, so a burst reaches the engine in
 the order it arrived. A caller that goes away before its answer is skipped.
 
-A short text (at most `inline_chars` characters of prompt or message content) that finds the
-batcher idle (no batched caller still waiting for its answer or yet to resume with it) is
-admitted inline, on the loop: nothing can be overtaken, and the hop off the loop and back
-costs more than its tokenizing. Measured on
-the built-in model's tokenizer: an 11-character prompt 9 us inline against 84 us through an
-idle batcher, in process; in the daemon, 60 lone short requests through the gateway, 3
-interleaved runs a side, the admission phase (`computed_request_admission_seconds`) went
-from 0.22-0.31 ms to 0.13-0.17 ms (a one-line prompt) and from 0.26-0.39 to 0.22-0.25 ms (a
-two-message chat); the client's time to first token, ~3-4 ms, moved within the machine's
-drift. 1,000 characters cost ~0.2 ms inline, the most a turn of the loop may take here.
+A short text (at most `inline_chars` characters of prompt or message content) that finds
+the batcher idle (no batched caller still waiting for its answer or yet to resume with it)
+is admitted inline, on the loop: nothing can be overtaken, and the hop off the loop and
+back costs more than its tokenizing. Measured on the built-in model's tokenizer: an
+11-character prompt 9 us inline against 84 us through an idle batcher, in process; in the
+daemon, 60 lone short requests through the gateway, 3 interleaved runs a side, the
+admission phase (`computed_request_admission_seconds`) went from 0.22-0.31 ms to
+0.13-0.17 ms (a one-line prompt) and from 0.26-0.39 to 0.22-0.25 ms (a two-message chat);
+the client's time to first token, ~3-4 ms, moved within the machine's drift. 1,000
+characters cost ~0.2 ms inline, the most a turn of the loop may take here.
 """
 
 from __future__ import annotations

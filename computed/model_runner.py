@@ -335,11 +335,9 @@ class ModelRunner:
                 left[r] -= 1
                 if left[r] > 0 and token not in stop_ids[r]:
                     keep.append(i)
-            if not keep or interrupt.is_set():
-                if deliver is not None:
-                    deliver(ran, tokens)
-                return results
             try:
+                if not keep or interrupt.is_set():
+                    return results
                 inp = inp.next_decode(sampled)
                 if len(keep) == len(rows):
                     batch = self._plan(inp, batch)
@@ -347,7 +345,7 @@ class ModelRunner:
                     inp = inp.subset(keep)
                     rows = [rows[i] for i in keep]
                     batch = self._plan(inp, None)
-            finally:  # the loop streams this step while the next one's forward runs
+            finally:  # the burst ends, or the loop streams this step while the next one runs
                 if deliver is not None:
                     deliver(ran, tokens)
 
