@@ -8,8 +8,8 @@ log-sum-exp ("matmul"); also a K/V gather from the pool by slots and by whole bl
 with glibc's default allocator thresholds and with computed's (`host_allocator`); and
 decode rows as a step runs them, 4 layers from cold caches: gather + "fold" against
 `computed.kernels`' native paged decode kernel, which reads the pool in place; decode
-rows over a shared prefix, cascaded (the segment as one item) against flat (each row reads
-it in its own item), as `computed.attention` runs them; and the default model's linear
+rows in groups over shared prefixes, cascaded (each segment as one item) against flat (each
+row reads it in its own item), float32 and bfloat16 pools, as `computed.attention` runs them; and the default model's linear
 layers through `F.linear` (MKL) against the native `kvcache::packed_linear`; and
 tiles of several queries per item as a step runs them: gather + torch's flash kernel
 ("fold", or "repeat" where causal) against the native paged flash kernel; and the merge
@@ -162,41 +162,49 @@ def flash() -> None:
 
 
 def cascade(layers: int = 4) -> None:
-    """Decode rows sharing a prefix, through `paged_attention` as a step runs them: the
-    segment cascaded (threshold 0) against read flat by every row (threshold infinite)."""
+    """Groups of decode rows, each group sharing a prefix of its own, through
+    `paged_attention` as a step runs them: every segment cascaded (threshold 0) against
+    read flat by every row (threshold infinite), for a float32 and a bfloat16 pool (the
+    cascade's gather differs). `DECODE_SEGMENT_MIN_READS` and
+    `attention_plan.MIN_DECODE_SEGMENT_MEMBERS` cite this table."""
     from computed.attention import AttentionBatch, SpanInput, paged_attention
     from computed.kv_pool import KVPool
 
-    pool = KVPool(layers, 8192, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
-    pool.kv.normal_()
-    print(f"decode rows over a shared prefix, {layers} layers: cascaded vs flat (ms, median of 11)")
-    for rows, shared, private in (
-        (8, 512, 200),
-        (8, 512, 1000),
-        (16, 512, 300),
-        (32, 1024, 100),
-        (64, 1024, 96),
-    ):
-        prefix = list(range(shared // BLOCK))
-        per = -(-(private + 1) // BLOCK)
-        spans = [
-            SpanInput(
-                prefix + list(range(len(prefix) + i * per, len(prefix) + (i + 1) * per)), shared + private, 1
-            )
-            for i in range(rows)
-        ]
-        q, kv = torch.randn(rows, HEADS, DIM), torch.randn(rows, KV_HEADS, DIM)
-        row = f"  {rows} rows x ({shared} shared + {private}):"
-        for name, threshold in (("cascaded", 0), ("flat", 1 << 62)):
-            batch = AttentionBatch.build(spans, BLOCK, "cpu", threshold)
+    print(f"decode rows over shared prefixes, {layers} layers: cascaded vs flat (ms, median of 9)")
+    order = torch.randperm(8192).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = KVPool(layers, 8192, BLOCK, KV_HEADS, DIM, dtype, torch.device("cpu"))
+        pool.kv.normal_()
+        for groups, rows, shared, private in (
+            (4, 8, 1024, 40),
+            (8, 4, 1024, 40),
+            (8, 3, 1024, 40),
+            (16, 2, 1024, 40),
+            (4, 6, 512, 40),
+            (8, 4, 512, 40),
+            (8, 4, 256, 40),
+            (1, 32, 1024, 100),
+        ):
+            free = iter(order[groups * shared // BLOCK :])
+            spans = []
+            for g in range(groups):
+                prefix = list(range(g * shared // BLOCK, (g + 1) * shared // BLOCK))
+                for r in range(rows):
+                    own = [next(free) for _ in range(-(-(private + r + 1) // BLOCK))]
+                    spans.append(SpanInput(prefix + own, shared + private + r, 1))
+            q = torch.randn(len(spans), HEADS, DIM)
+            kv = torch.randn(len(spans), KV_HEADS, DIM).to(dtype)
+            line = f"  {str(dtype).removeprefix('torch.'):8} {groups} x {rows} rows x ({shared} shared + ~{private}):"
+            for name, threshold in (("cascaded", 0), ("flat", 1 << 62)):
+                batch = AttentionBatch.build(spans, BLOCK, "cpu", threshold)
 
-            def step(batch=batch, q=q, kv=kv) -> None:
-                for layer in range(layers):
-                    paged_attention(q, kv, kv, layer, batch, pool, DIM**-0.5)
+                def step(batch=batch, q=q, kv=kv, pool=pool) -> None:
+                    for layer in range(layers):
+                        paged_attention(q, kv, kv, layer, batch, pool, DIM**-0.5)
 
-            times = sorted(timed(step, 3) for _ in range(11))
-            row += f" {name} {times[5]:.2f}"
-        print(row)
+                times = sorted(timed(step, 3) for _ in range(9))
+                line += f" {name} {times[4]:.2f}"
+            print(line)
 
 
 def linear() -> None:

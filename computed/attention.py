@@ -384,12 +384,14 @@ class AttentionBatch:
         )
 
 
-# A shared segment of decode rows only is cascaded when members x keys reach this, where the
-# native decode kernel runs: below it, each row reading the segment from cache in its own
-# item beats the segment's gather + flash + merge (`python -m bench.attention_kernels`,
-# cascade block, 4 layers: 8 rows x 512 shared keys 7.2 -> 5.5 ms flat, 16 x 512 6.3 ->
-# 5.3 ms; 32 x 1,024 8.7 ms cascaded vs 11.8 flat, 64 x 1,024 14.3 vs 22.0).
-DECODE_SEGMENT_MIN_READS = 16 * 1024
+# A shared segment of decode rows only is cascaded when members x keys reach this (and it
+# has `attention_plan.MIN_DECODE_SEGMENT_MEMBERS`), where the native decode kernel runs:
+# below it, each row reading the segment from cache in its own item beats the segment's
+# flash item and merge. `python -m bench.attention_kernels`, cascade block, 4 layers,
+# bfloat16 pool, cascaded vs flat (ms): 4 groups of 8 rows x 1,024 shared keys 0.82 vs
+# 1.35, 8 x 3 x 1,024 0.84 vs 1.04, 4 x 6 x 512 0.46 vs 0.61; at 2,048 reads about even
+# (8 x 4 x 512 0.70 vs 0.75, float32 0.91 vs 0.87), at 1,024 even (8 x 4 x 256).
+DECODE_SEGMENT_MIN_READS = 3 * 1024
 
 
 def decode_segment_min_reads(device: torch.device, dtype: torch.dtype) -> int:

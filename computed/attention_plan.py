@@ -15,7 +15,8 @@ their log-sum-exp, so splitting a context changes nothing but float rounding.
   tables form a trie (a system prompt shared by all, a document shared by some, ...),
   and every maximal run of blocks with the same set of members is one segment.
   A segment read by decode rows only is worth its own item when it saves enough reads
-  (`min_decode_segment_reads`, members x keys): a decode row's private context runs a
+  (`min_decode_segment_reads`, members x keys) and has at least
+  `MIN_DECODE_SEGMENT_MEMBERS` members: a decode row's private context runs a
   kernel that reads keys straight from the pool, where a few rows re-reading a short
   prefix (from cache) cost less than the segment's gather, kernel call and merge. A
   dropped segment takes its nested segments with it (they would start after a gap).
@@ -44,6 +45,11 @@ import numpy as np
 
 # A segment needs this many member sequences to be worth its own item.
 MIN_SEGMENT_MEMBERS = 2
+# ... and this many where its members are all decode rows and a read budget applies (the
+# native decode kernel): two rows re-reading a segment cost less than its flash item and merge
+# at every length measured (`python -m bench.attention_kernels`, cascade block: 16 x 2 rows x
+# 1,024 shared keys, bfloat16 pool, 4 layers, 1.59 ms cascaded vs 1.38 flat), three gain.
+MIN_DECODE_SEGMENT_MEMBERS = 3
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,8 @@ def plan_attention(
     """The tiles of one step. `tables` (S, N) int64 block ids (padding past a row's blocks
     is never read); span i's new queries are flat rows `query_starts[i] ...` at positions
     `context_lens[i] - query_lens[i] ...`. A segment whose members are all decode rows is
-    kept only if members x keys >= `min_decode_segment_reads` (0: every segment)."""
+    kept only if members x keys >= `min_decode_segment_reads` and it has at least
+    `MIN_DECODE_SEGMENT_MEMBERS` members (0: every segment, from two members)."""
     starts = np.asarray(query_starts, dtype=np.int64)
     lens = np.asarray(query_lens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
@@ -254,7 +261,8 @@ def _worth_cascading(
         )
         decode_only = bool((lens[list(seg.span_indices)] == 1).all())
         reads = len(members) * seg.num_blocks * block_size
-        if under_kept and (not decode_only or reads >= min_decode_reads):
+        worth = len(members) >= MIN_DECODE_SEGMENT_MEMBERS and reads >= min_decode_reads
+        if under_kept and (not decode_only or worth):
             kept.append(seg)
     return kept
 

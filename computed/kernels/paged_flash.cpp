@@ -237,6 +237,62 @@ inline void gather_dot(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
     }
   }
 }
+
+#if defined(__AVX512BW__)
+// gather_dot with 16 keys at a time, head size a multiple of 32: each key's K row loaded as
+// 16-bit pairs, its halves swapped into pair words (one rotate), the 16 rows transposed by
+// 16 x 16 words in registers and stored one vector a pair index; each pair of keys' V rows
+// interleaved by 16-bit permutes, two vectors per 32 dims. The same words in the same places
+// as gather_dot, which stores each key's 16-bit halves one by one: at few query rows a unit
+// that scalar copy was most of a job. One layer's tile of 4 items x 8 decode rows x 1,024
+// shared keys, a bfloat16 pool, 2 threads: 248 -> 137 us (4 x 4 rows: 218 -> 103, 1 x 32:
+// 120 -> 92); it is what lets decode rows cascade from 3 members (`python -m
+// bench.attention_kernels`' cascade block, `DECODE_SEGMENT_MIN_READS`).
+inline void gather_dot32(const uint16_t* kp, const uint16_t* vp, const int64_t* slots, int64_t len,
+                         int64_t lp_keys, const Shape& sh, int64_t h, uint32_t* ktw, uint32_t* vw) {
+  alignas(64) static const uint16_t kZeros[kMaxGatherDim] = {};
+  // Word d of a V pair vector: low half the odd key's value d, high half the even key's.
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                     53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                     27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const int64_t half = sh.dim / 2;
+  for (int64_t j0 = 0; j0 < lp_keys; j0 += 16) {  // 16 keys inside one key block (kBlockKeys % 16 == 0)
+    uint32_t* tile = ktw + (j0 / kBlockKeys) * kBlockKeys * half + j0 % kBlockKeys;
+    const uint16_t* krow[16];
+    const uint16_t* vrow[16];
+    for (int r = 0; r < 16; ++r) {
+      const int64_t j = j0 + r;
+      if (j + kGatherAhead < len) {
+        const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
+        for (int64_t d = 0; d < sh.dim; d += 32) {
+          __builtin_prefetch(kp + ahead + d, 0, 0);
+          __builtin_prefetch(vp + ahead + d, 0, 0);
+        }
+      }
+      const int64_t row = j < len ? (slots[j] * sh.kv_heads + h) * sh.dim : -1;
+      krow[r] = row >= 0 ? kp + row : kZeros;
+      vrow[r] = row >= 0 ? vp + row : kZeros;
+    }
+    for (int64_t d0 = 0; d0 < sh.dim; d0 += 32) {
+      __m512 x[16];
+      // A 32-bit load holds k[2p] low, k[2p + 1] high: the rotate puts k[2p] high.
+      for (int r = 0; r < 16; ++r) x[r] = _mm512_castsi512_ps(_mm512_rol_epi32(_mm512_loadu_si512(krow[r] + d0), 16));
+      transpose16(x);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(tile + (d0 / 2 + c) * kBlockKeys), x[c]);
+      for (int pair = 0; pair < 8; ++pair) {
+        const __m512i even = _mm512_loadu_si512(vrow[2 * pair] + d0), odd = _mm512_loadu_si512(vrow[2 * pair + 1] + d0);
+        uint32_t* dst = vw + (j0 / 2 + pair) * sh.dim + d0;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(odd, low, even));
+        _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(odd, high, even));
+      }
+    }
+  }
+}
+#endif
 #endif
 
 // Scratch of one thread, reused across units.
@@ -727,8 +783,13 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
         }
 #if defined(KVCACHE_FLASH_DOT)
         if (sh.dim == 32 || sh.dim == 64 || sh.dim == 128) {
+#if defined(__AVX512BW__)
+          gather_dot32(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, reinterpret_cast<uint32_t*>(kt_data),
+                       reinterpret_cast<uint32_t*>(vc_data));
+#else
           gather_dot(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, reinterpret_cast<uint32_t*>(kt_data),
                      reinterpret_cast<uint32_t*>(vc_data));
+#endif
           switch (sh.dim) {
             case 32: attend(attend_unit<32, true, true>); break;
             case 64: attend(attend_unit<64, true, true>); break;

@@ -15,7 +15,7 @@ import torch
 
 from computed import attention, kernels
 from computed.attention import AttentionBatch, SpanInput, paged_attention
-from computed.attention_plan import find_segments, plan_attention
+from computed.attention_plan import MIN_DECODE_SEGMENT_MEMBERS, find_segments, plan_attention
 from computed.kv_pool import KVPool
 
 CPU = torch.device("cpu")
@@ -134,6 +134,19 @@ def test_small_decode_only_segments_are_read_flat() -> None:
     assert flat.shared_prefixes == ()
     assert [t.num_keys for t in flat.tiles] == [12]
     kept = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, min_decode_segment_reads=24)
+    assert [g.span_indices for g in kept.shared_prefixes] == [(0, 1, 2)]
+
+
+def test_a_decode_only_segment_needs_three_members() -> None:
+    """Two decode rows never cascade a segment under a read budget, however long it is (two
+    re-reads cost less than its item and merge); three do, and with no budget two do."""
+    shared = list(range(1, 65))  # 64 blocks of 4: 256 keys
+    two = _decode_spans([[*shared, 100 + i] for i in range(2)], 4)
+    assert MIN_DECODE_SEGMENT_MEMBERS == 3
+    assert AttentionBatch.build(two, 4, CPU, min_decode_segment_reads=8).shared_prefixes == ()
+    assert [g.span_indices for g in AttentionBatch.build(two, 4, CPU).shared_prefixes] == [(0, 1)]
+    three = _decode_spans([[*shared, 100 + i] for i in range(3)], 4)
+    kept = AttentionBatch.build(three, 4, CPU, min_decode_segment_reads=8)
     assert [g.span_indices for g in kept.shared_prefixes] == [(0, 1, 2)]
 
 
