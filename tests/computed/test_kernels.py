@@ -123,6 +123,16 @@ def test_flash_matches_dense_attention(
         want_out, want_lse = _dense(q[i, :rows], k, v, causal, dim**-0.5)
         torch.testing.assert_close(out[i, :rows], want_out, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse[i, :rows], want_lse, atol=2e-5, rtol=2e-5)
+    # Every row is written: padding rows inside a block of positions that has a real row are
+    # finite, and the causal items' rows past their last such block are zero, lse -inf.
+    assert torch.isfinite(out).all()
+    if causal:
+        per_block = max(1, 66 // (heads // kv_heads))  # paged_flash.cpp's kBlockRows / group
+        for i, n in enumerate(lens):
+            past = min(queries, -(-n // per_block) * per_block)
+            assert past < queries or n == queries
+            assert (out[i, past:] == 0).all() and (lse[i, past:] == float("-inf")).all()
+            assert torch.isfinite(lse[i, :past]).all()
 
 
 @needs_compiler
