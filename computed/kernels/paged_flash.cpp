@@ -106,6 +106,20 @@ struct Shape {
   int64_t queries, heads, kv_heads, dim, width, group;
 };
 
+// Ask for key j + kGatherAhead's K/V rows of head h (T: float, or uint16_t bfloat16 bits),
+// one hint per 64-byte line, where that key is one of the item's.
+template <class T>
+inline void prefetch_ahead(const T* kp, const T* vp, const int64_t* slots, int64_t j, int64_t len, const Shape& sh,
+                           int64_t h) {
+  if (j + kGatherAhead >= len) return;
+  const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
+  constexpr int64_t line = 64 / int64_t(sizeof(T));
+  for (int64_t d = 0; d < sh.dim; d += line) {
+    __builtin_prefetch(kp + ahead + d, 0, 0);
+    __builtin_prefetch(vp + ahead + d, 0, 0);
+  }
+}
+
 // One job's K/V out of the pool (stored as T: float, or uint16_t for bfloat16 bits, widened
 // here) into float32 scratch: the keys of item i's slots (len of them) for K/V head h,
 // transposed by key block into kt, (lp_keys / kBlockKeys, D, kBlockKeys), and their values
@@ -115,14 +129,7 @@ inline void gather(const T* kp, const T* vp, const int64_t* slots, int64_t len, 
                    int64_t h, float* kt, float* vc) {
   for (int64_t j = 0; j < lp_keys; ++j) {
     float* tile = kt + (j / kBlockKeys) * kBlockKeys * sh.dim + j % kBlockKeys;
-    if (j + kGatherAhead < len) {
-      const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
-      constexpr int64_t line = 64 / int64_t(sizeof(T));  // values per 64-byte line: one hint each
-      for (int64_t d = 0; d < sh.dim; d += line) {
-        __builtin_prefetch(kp + ahead + d, 0, 0);
-        __builtin_prefetch(vp + ahead + d, 0, 0);
-      }
-    }
+    prefetch_ahead(kp, vp, slots, j, len, sh, h);
     if (j < len) {
       const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
       for (int64_t d = 0; d < sh.dim; ++d) tile[d * kBlockKeys] = kv_float(kp[row + d]);
@@ -181,13 +188,7 @@ inline void gather16(const float* kp, const float* vp, const int64_t* slots, int
     const float* krow[16];
     for (int r = 0; r < 16; ++r) {
       const int64_t j = j0 + r;
-      if (j + kGatherAhead < len) {
-        const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
-        for (int64_t d = 0; d < sh.dim; d += 16) {
-          __builtin_prefetch(kp + ahead + d, 0, 0);
-          __builtin_prefetch(vp + ahead + d, 0, 0);
-        }
-      }
+      prefetch_ahead(kp, vp, slots, j, len, sh, h);
       if (j < len) {
         const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
         krow[r] = kp + row;
@@ -218,13 +219,7 @@ inline void gather_dot(const uint16_t* kp, const uint16_t* vp, const int64_t* sl
     uint32_t* tile = ktw + (j / kBlockKeys) * kBlockKeys * half + j % kBlockKeys;
     // Little-endian halves: the high half of a word is its second uint16_t.
     uint16_t* vhalf = reinterpret_cast<uint16_t*>(vw + (j / 2) * sh.dim) + (j % 2 == 0 ? 1 : 0);
-    if (j + kGatherAhead < len) {
-      const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
-      for (int64_t d = 0; d < sh.dim; d += 32) {
-        __builtin_prefetch(kp + ahead + d, 0, 0);
-        __builtin_prefetch(vp + ahead + d, 0, 0);
-      }
-    }
+    prefetch_ahead(kp, vp, slots, j, len, sh, h);
     if (j < len) {
       const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
       const uint16_t* k = kp + row;
@@ -266,13 +261,7 @@ inline void gather_dot32(const uint16_t* kp, const uint16_t* vp, const int64_t* 
     const uint16_t* vrow[16];
     for (int r = 0; r < 16; ++r) {
       const int64_t j = j0 + r;
-      if (j + kGatherAhead < len) {
-        const int64_t ahead = (slots[j + kGatherAhead] * sh.kv_heads + h) * sh.dim;
-        for (int64_t d = 0; d < sh.dim; d += 32) {
-          __builtin_prefetch(kp + ahead + d, 0, 0);
-          __builtin_prefetch(vp + ahead + d, 0, 0);
-        }
-      }
+      prefetch_ahead(kp, vp, slots, j, len, sh, h);
       const int64_t row = j < len ? (slots[j] * sh.kv_heads + h) * sh.dim : -1;
       krow[r] = row >= 0 ? kp + row : kZeros;
       vrow[r] = row >= 0 ? vp + row : kZeros;
