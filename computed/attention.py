@@ -385,19 +385,31 @@ class AttentionBatch:
 
 
 # A shared segment of decode rows only is cascaded when members x keys reach this (and it
-# has `attention_plan.MIN_DECODE_SEGMENT_MEMBERS`), where the native decode kernel runs:
-# below it, each row reading the segment from cache in its own item beats the segment's
-# flash item and merge. `python -m bench.attention_kernels`, cascade block, 4 layers,
-# bfloat16 pool, cascaded vs flat (ms): 4 groups of 8 rows x 1,024 shared keys 0.82 vs
-# 1.35, 8 x 3 x 1,024 0.84 vs 1.04, 4 x 6 x 512 0.46 vs 0.61; at 2,048 reads about even
-# (8 x 4 x 512 0.70 vs 0.75, float32 0.91 vs 0.87), at 1,024 even (8 x 4 x 256).
+# has `attention_plan.MIN_DECODE_SEGMENT_MEMBERS`), where the native decode kernel runs and
+# the flash kernel copies K/V 16 keys at a time (`kernels.flash_gathers_wide`): below it,
+# each row reading the segment from cache in its own item beats the segment's flash item
+# and merge. `python -m bench.attention_kernels`, cascade block, 4 layers, bfloat16 pool,
+# cascaded vs flat (ms): 4 groups of 8 rows x 1,024 shared keys 0.82 vs 1.35, 8 x 3 x 1,024
+# 0.84 vs 1.04, 4 x 6 x 512 0.46 vs 0.61; at 2,048 reads about even (8 x 4 x 512 0.70 vs
+# 0.75, float32 0.91 vs 0.87), at 1,024 even (8 x 4 x 256).
 DECODE_SEGMENT_MIN_READS = 3 * 1024
+# The same where the flash kernel copies a key at a time (an AVX2 build; a head size the wide
+# copies do not take): there 3 or 4 members lost (the same block, 8-lane build, float32:
+# 8 x 3 x 1,024 2.06 vs 1.75 ms, 8 x 4 x 1,024 2.47 vs 2.35) and the threshold stays the one
+# measured before the wide copies.
+NARROW_GATHER_SEGMENT_MIN_READS = 16 * 1024
 
 
-def decode_segment_min_reads(device: torch.device, dtype: torch.dtype) -> int:
-    """What to pass `AttentionBatch.build` for a model running in `dtype` on `device`."""
+def decode_segment_min_reads(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
+    """What to pass `AttentionBatch.build` for a model running in `dtype` on `device`, with
+    K/V heads of `head_dim`."""
     native = device.type == "cpu" and dtype in NATIVE_POOL_DTYPES and kernels.paged_decode() is not None
-    return DECODE_SEGMENT_MIN_READS if native else 0
+    if not native:
+        return 0
+    wide = kernels.flash_gathers_wide()
+    if wide is not None and wide(head_dim, dtype == torch.bfloat16):
+        return DECODE_SEGMENT_MIN_READS
+    return NARROW_GATHER_SEGMENT_MIN_READS
 
 
 def paged_attention(

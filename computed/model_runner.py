@@ -107,7 +107,7 @@ class ModelRunner:
         self.shared = shared
         self.block_size = block_size
         self.device = device
-        self._min_decode_segment_reads = decode_segment_min_reads(device, pool.dtype)
+        self._min_decode_segment_reads = decode_segment_min_reads(device, pool.dtype, pool.head_dim)
         # Which attention code runs, chosen once for this model and pool (computed.backends).
         choice = model.choose_attention_backend(pool)
         log.info("attention_backend_selected", backend=choice.backend.name, reason=choice.reason)

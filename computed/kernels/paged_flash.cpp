@@ -802,12 +802,33 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
   return {out, lse};
 }
 
+// Whether paged_flash copies a job's K/V out of the pool 16 keys at a time (gather16,
+// gather_dot32) for this head size and pool dtype in this build, rather than a key at a time:
+// a cascade segment of few decode rows pays off only with the wide copy (computed.attention's
+// DECODE_SEGMENT_MIN_READS).
+bool flash_gathers_wide(int64_t head_dim, bool bfloat16_pool) {
+  if (bfloat16_pool) {
+#if defined(KVCACHE_FLASH_DOT) && defined(__AVX512BW__)
+    return head_dim == 32 || head_dim == 64 || head_dim == 128;
+#else
+    return false;
+#endif
+  }
+#if defined(KVCACHE_V16)
+  return head_dim % 16 == 0 && head_dim <= kMaxGatherDim;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcache, m) {
   m.def(
       "paged_flash(Tensor q, Tensor keys, Tensor values, Tensor key_slots, Tensor key_lens, bool causal, "
       "float scale) -> (Tensor, Tensor)");
+  // No tensor argument to dispatch on: one kernel for every key.
+  m.def("flash_gathers_wide(int head_dim, bool bfloat16_pool) -> bool", flash_gathers_wide);
 }
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {

@@ -150,6 +150,25 @@ def test_a_decode_only_segment_needs_three_members() -> None:
     assert [g.span_indices for g in kept.shared_prefixes] == [(0, 1, 2)]
 
 
+def test_the_decode_cascade_budget_follows_the_flash_kernels_copy() -> None:
+    """The 3K-read budget where the native kernels copy K/V 16 keys at a time for the pool's
+    dtype and head size, the 16K one where they copy a key at a time, none off the native
+    path (every segment cascades)."""
+    cpu = torch.device("cpu")
+    wide = kernels.flash_gathers_wide()
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_dim in (24, 32, 64):
+            got = attention.decode_segment_min_reads(cpu, dtype, head_dim)
+            if kernels.paged_decode() is None:
+                assert got == 0
+            elif wide(head_dim, dtype == torch.bfloat16):
+                assert got == attention.DECODE_SEGMENT_MIN_READS == 3 * 1024
+            else:
+                assert got == attention.NARROW_GATHER_SEGMENT_MIN_READS == 16 * 1024
+    assert attention.decode_segment_min_reads(cpu, torch.float16, 32) == 0
+    assert attention.decode_segment_min_reads(torch.device("cuda"), torch.bfloat16, 32) == 0
+
+
 def test_a_prefill_member_keeps_its_segment() -> None:
     spans = _decode_spans([[1, 2, 10], [1, 2, 11]], 4) + [SpanInput([1, 2, 12], 8, 3)]
     batch = AttentionBatch.build(spans, 4, CPU, min_decode_segment_reads=10**6)

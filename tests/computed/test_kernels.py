@@ -136,6 +136,22 @@ def test_flash_matches_dense_attention(
 
 
 @needs_compiler
+def test_flash_gathers_wide_says_what_this_build_copies(paged_flash) -> None:
+    """16 keys at a time where the build has the copy (computed.attention's cascade threshold
+    depends on it): AVX-512 for a float32 pool at head sizes that are multiples of 16 up to
+    256; AVX512_BF16 (with AVX512_BW) for a bfloat16 pool at 32, 64 and 128; never elsewhere.
+    The ISA variants of tests/computed/test_kernel_isas.py run this too."""
+    wide = _built(kernels.flash_gathers_wide())
+    cpu, flags = kernels._cpu_flags().split(), kernels.cflags()
+    v16 = "avx512f" in cpu and "-mno-avx512f" not in flags
+    dot = v16 and {"avx512_bf16", "avx512bw"} <= set(cpu) and "-mno-avx512bf16" not in flags
+    assert [wide(d, False) for d in (16, 32, 64, 128, 256)] == [v16] * 5
+    assert not wide(24, False) and not wide(512, False)
+    assert [wide(d, True) for d in (32, 64, 128)] == [dot] * 3
+    assert not wide(16, True) and not wide(48, True) and not wide(256, True)
+
+
+@needs_compiler
 def test_flash_one_query_per_item_causal(paged_flash) -> None:
     """Qm = 1, causal: each item's only row sees key 0 alone."""
     gen = torch.Generator().manual_seed(7)
