@@ -389,9 +389,9 @@ class AttentionBatch:
 # the flash kernel copies K/V 16 keys at a time (`kernels.flash_gathers_wide`): below it,
 # each row reading the segment from cache in its own item beats the segment's flash item
 # and merge. `python -m bench.attention_kernels`, cascade block, 4 layers, bfloat16 pool,
-# cascaded vs flat (ms): 4 groups of 8 rows x 1,024 shared keys 0.82 vs 1.35, 8 x 3 x 1,024
-# 0.84 vs 1.04, 4 x 6 x 512 0.46 vs 0.61; at 2,048 reads about even (8 x 4 x 512 0.70 vs
-# 0.75, float32 0.91 vs 0.87), at 1,024 even (8 x 4 x 256).
+# cascaded vs flat (ms): 4 groups of 8 rows x 1,024 shared keys 0.88 vs 1.41, 8 x 3 x 1,024
+# 0.91 vs 1.07, 4 x 6 x 512 0.46 vs 0.61; at 2,048 reads about even (8 x 4 x 512 0.70 vs
+# 0.77, float32 0.95 vs 0.92), at 1,024 even (8 x 4 x 256: 0.47 vs 0.49).
 DECODE_SEGMENT_MIN_READS = 3 * 1024
 # The same where the flash kernel copies a key at a time (an AVX2 build; a head size the wide
 # copies do not take): there 3 or 4 members lost (the same block, 8-lane build, float32:
