@@ -48,8 +48,9 @@
 #include <type_traits>
 #include <vector>
 
-// The dot tiles (bfloat16 products by AVX512_BF16's vdpbf16ps) for a bfloat16 pool.
-#if defined(KVCACHE_V16) && defined(__AVX512BF16__)
+// The dot tiles (bfloat16 products by AVX512_BF16's vdpbf16ps) for a bfloat16 pool, and their
+// gather (AVX512_BW's 16-bit permutes; every CPU with AVX512_BF16 has them).
+#if defined(KVCACHE_V16) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KVCACHE_FLASH_DOT 1
 #endif
 
@@ -209,42 +210,20 @@ inline void gather16(const float* kp, const float* vp, const int64_t* slots, int
 #endif
 
 #if defined(KVCACHE_FLASH_DOT)
-// gather's job for the dot tiles, from a bfloat16 pool: the keys as pair words by key block,
-// (lp_keys / kBlockKeys, D / 2, kBlockKeys), word (p, j) = k_j[2p] high | k_j[2p + 1] low; the
-// values as (lp_keys / 2, D) words, word (i, d) = v_2i[d] high | v_2i+1[d] low; zero past len.
-inline void gather_dot(const uint16_t* kp, const uint16_t* vp, const int64_t* slots, int64_t len, int64_t lp_keys,
-                       const Shape& sh, int64_t h, uint32_t* ktw, uint32_t* vw) {
-  const int64_t half = sh.dim / 2;
-  for (int64_t j = 0; j < lp_keys; ++j) {
-    uint32_t* tile = ktw + (j / kBlockKeys) * kBlockKeys * half + j % kBlockKeys;
-    // Little-endian halves: the high half of a word is its second uint16_t.
-    uint16_t* vhalf = reinterpret_cast<uint16_t*>(vw + (j / 2) * sh.dim) + (j % 2 == 0 ? 1 : 0);
-    prefetch_ahead(kp, vp, slots, j, len, sh, h);
-    if (j < len) {
-      const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
-      const uint16_t* k = kp + row;
-      const uint16_t* v = vp + row;
-      for (int64_t p = 0; p < half; ++p) tile[p * kBlockKeys] = uint32_t(k[2 * p]) << 16 | k[2 * p + 1];
-      for (int64_t d = 0; d < sh.dim; ++d) vhalf[2 * d] = v[d];
-    } else {
-      for (int64_t p = 0; p < half; ++p) tile[p * kBlockKeys] = 0;
-      for (int64_t d = 0; d < sh.dim; ++d) vhalf[2 * d] = 0;
-    }
-  }
-}
-
-#if defined(__AVX512BW__)
-// gather_dot with 16 keys at a time, head size a multiple of 32: each key's K row loaded as
-// 16-bit pairs, its halves swapped into pair words (one rotate), the 16 rows transposed by
-// 16 x 16 words in registers and stored one vector a pair index; each pair of keys' V rows
-// interleaved by 16-bit permutes, two vectors per 32 dims. The same words in the same places
-// as gather_dot, which stores each key's 16-bit halves one by one: at few query rows a unit
-// that scalar copy was most of a job. One layer's tile of 4 items x 8 decode rows x 1,024
-// shared keys, a bfloat16 pool, 2 threads: 248 -> 137 us (4 x 4 rows: 218 -> 103, 1 x 32:
-// 120 -> 92); it is what lets decode rows cascade from 3 members (`python -m
-// bench.attention_kernels`' cascade block, `DECODE_SEGMENT_MIN_READS`).
-inline void gather_dot32(const uint16_t* kp, const uint16_t* vp, const int64_t* slots, int64_t len,
-                         int64_t lp_keys, const Shape& sh, int64_t h, uint32_t* ktw, uint32_t* vw) {
+// gather's job for the dot tiles, from a bfloat16 pool, head size a multiple of 32: the keys
+// as pair words by key block, (lp_keys / kBlockKeys, D / 2, kBlockKeys), word (p, j) =
+// k_j[2p] high | k_j[2p + 1] low; the values as (lp_keys / 2, D) words, word (i, d) = v_2i[d]
+// high | v_2i+1[d] low; zero past len. 16 keys at a time: each key's K row loaded as 16-bit
+// pairs, its halves swapped into pair words (one rotate), the 16 rows transposed by 16 x 16
+// words in registers and stored one vector a pair index; each pair of keys' V rows
+// interleaved by 16-bit permutes, two vectors per 32 dims. It replaced a copy of each key's
+// 16-bit halves one by one, which at few query rows a unit was most of a job. One layer's
+// tile of 4 items x 8 decode rows x 1,024 shared keys, a bfloat16 pool, 2 threads: 248 ->
+// 137 us (4 x 4 rows: 218 -> 103, 1 x 32: 120 -> 92); it is what lets decode rows cascade
+// from 3 members (`python -m bench.attention_kernels`' cascade block,
+// `DECODE_SEGMENT_MIN_READS`).
+inline void gather_dot(const uint16_t* kp, const uint16_t* vp, const int64_t* slots, int64_t len,
+                       int64_t lp_keys, const Shape& sh, int64_t h, uint32_t* ktw, uint32_t* vw) {
   alignas(64) static const uint16_t kZeros[kMaxGatherDim] = {};
   // Word d of a V pair vector: low half the odd key's value d, high half the even key's.
   alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
@@ -281,7 +260,6 @@ inline void gather_dot32(const uint16_t* kp, const uint16_t* vp, const int64_t* 
     }
   }
 }
-#endif
 #endif
 
 // Scratch of one thread, reused across units.
@@ -779,13 +757,8 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
         }
 #if defined(KVCACHE_FLASH_DOT)
         if (sh.dim == 32 || sh.dim == 64 || sh.dim == 128) {
-#if defined(__AVX512BW__)
-          gather_dot32(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, reinterpret_cast<uint32_t*>(kt_data),
-                       reinterpret_cast<uint32_t*>(vc_data));
-#else
           gather_dot(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, reinterpret_cast<uint32_t*>(kt_data),
                      reinterpret_cast<uint32_t*>(vc_data));
-#endif
           switch (sh.dim) {
             case 32: attend(attend_unit<32, true, true>); break;
             case 64: attend(attend_unit<64, true, true>); break;
@@ -803,12 +776,12 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
 }
 
 // Whether paged_flash copies a job's K/V out of the pool 16 keys at a time (gather16,
-// gather_dot32) for this head size and pool dtype in this build, rather than a key at a time:
+// gather_dot) for this head size and pool dtype in this build, rather than a key at a time:
 // a cascade segment of few decode rows pays off only with the wide copy (computed.attention's
 // DECODE_SEGMENT_MIN_READS).
 bool flash_gathers_wide(int64_t head_dim, bool bfloat16_pool) {
   if (bfloat16_pool) {
-#if defined(KVCACHE_FLASH_DOT) && defined(__AVX512BW__)
+#if defined(KVCACHE_FLASH_DOT)
     return head_dim == 32 || head_dim == 64 || head_dim == 128;
 #else
     return false;
