@@ -76,9 +76,7 @@ def main() -> None:
     }
     scale = dim**-0.5
     for what, spans in shapes.items():
-        batch = AttentionBatch.build(
-            spans, BLOCK, CPU, attention.decode_segment_min_reads(CPU, torch.float32, dim)
-        )
+        batch = AttentionBatch.build(spans, BLOCK, CPU, attention.decode_cascade(CPU, torch.float32, dim))
         q = torch.randn(batch.num_tokens, heads, dim)
         k, v = torch.randn(2, batch.num_tokens, kv_heads, dim).unbind(0)
         args = (q, k, v, 0, batch, pool, scale)

@@ -165,9 +165,10 @@ def cascade(layers: int = 4) -> None:
     """Groups of decode rows, each group sharing a prefix of its own, through
     `paged_attention` as a step runs them: every segment cascaded (threshold 0) against
     read flat by every row (threshold infinite), for a float32 and a bfloat16 pool (the
-    cascade's gather differs). `DECODE_SEGMENT_MIN_READS` and
-    `attention_plan.MIN_DECODE_SEGMENT_MEMBERS` cite this table."""
+    cascade's gather differs). computed.attention's cascade rules (`WIDE_GATHER_CASCADE`,
+    `NARROW_GATHER_CASCADE`) cite this table."""
     from computed.attention import AttentionBatch, SpanInput, paged_attention
+    from computed.attention_plan import EVERY_SEGMENT, DecodeCascade
     from computed.kv_pool import KVPool
 
     print(f"decode rows over shared prefixes, {layers} layers: cascaded vs flat (ms, median of 9)")
@@ -195,8 +196,8 @@ def cascade(layers: int = 4) -> None:
             q = torch.randn(len(spans), HEADS, DIM)
             kv = torch.randn(len(spans), KV_HEADS, DIM).to(dtype)
             line = f"  {str(dtype).removeprefix('torch.'):8} {groups} x {rows} rows x ({shared} shared + ~{private}):"
-            for name, threshold in (("cascaded", 0), ("flat", 1 << 62)):
-                batch = AttentionBatch.build(spans, BLOCK, "cpu", threshold)
+            for name, rule in (("cascaded", EVERY_SEGMENT), ("flat", DecodeCascade(2, 1 << 62))):
+                batch = AttentionBatch.build(spans, BLOCK, "cpu", rule)
 
                 def step(batch=batch, q=q, kv=kv, pool=pool) -> None:
                     for layer in range(layers):

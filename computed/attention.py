@@ -61,7 +61,15 @@ import numpy as np
 import torch
 
 from computed import kernels
-from computed.attention_plan import AttentionPlan, Segment, TilePlan, advance_decode, plan_attention
+from computed.attention_plan import (
+    EVERY_SEGMENT,
+    AttentionPlan,
+    DecodeCascade,
+    Segment,
+    TilePlan,
+    advance_decode,
+    plan_attention,
+)
 from computed.backends import AttentionBackend
 from computed.backends.registry import (
     CPU_FLASH,
@@ -251,10 +259,10 @@ class AttentionBatch:
         spans: Sequence[SpanInput],
         block_size: int,
         device: torch.device | str,
-        min_decode_segment_reads: int = 0,
+        cascade: DecodeCascade = EVERY_SEGMENT,
     ) -> AttentionBatch:
         """Lay out `spans` one after another as one flat batch; raises ValueError on bad input.
-        `min_decode_segment_reads`: see `plan_attention` and `decode_segment_min_reads`."""
+        `cascade`: see `plan_attention` and `decode_cascade`."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not spans:
@@ -298,9 +306,7 @@ class AttentionBatch:
         if len(np.unique(write_slots)) != len(write_slots):
             raise ValueError("two new tokens of the batch write the same pool slot")
 
-        plan: AttentionPlan = plan_attention(
-            starts, lens, contexts, tables, block_size, min_decode_segment_reads
-        )
+        plan: AttentionPlan = plan_attention(starts, lens, contexts, tables, block_size, cascade)
         tiles = tuple(Tile.from_plan(t, device, len(positions)) for t in plan.tiles)
         return cls(
             block_size=block_size,
@@ -319,13 +325,15 @@ class AttentionBatch:
             plan=plan,
         )
 
-    def next_decode(self, spans: Sequence[SpanInput], min_decode_segment_reads: int = 0) -> AttentionBatch:
+    def next_decode(
+        self, spans: Sequence[SpanInput], cascade: DecodeCascade = EVERY_SEGMENT
+    ) -> AttentionBatch:
         """The batch `build(spans, ...)` makes, where `spans` are this batch's decode rows
         one token further (the next step of a decode burst: the same sequences in the same
         order, each `num_computed_tokens` one more, one new token written, the same block
         table with room for it). Reuses what does not change: the block tables but for a
         newly entered block, the segments and their tiles (`attention_plan.advance_decode`);
-        anything else builds afresh. `min_decode_segment_reads` must be the one this batch
+        anything else builds afresh. `cascade` must be the one this batch
         was built with. Why: a fresh build cost ~0.4 ms of a 64-row step over a shared
         prefix (about 5%); this one ~0.1 ms."""
         device = self.positions.device
@@ -340,7 +348,7 @@ class AttentionBatch:
             )
         )
         if not continues:
-            return AttentionBatch.build(spans, self.block_size, device, min_decode_segment_reads)
+            return AttentionBatch.build(spans, self.block_size, device, cascade)
         bs = self.block_size
         positions = contexts - 1
         rows = np.arange(len(spans))
@@ -360,7 +368,7 @@ class AttentionBatch:
             raise ValueError("two new tokens of the batch write the same pool slot")
         plan = advance_decode(self.plan, contexts, tables, bs)
         if plan is None:
-            return AttentionBatch.build(spans, bs, device, min_decode_segment_reads)
+            return AttentionBatch.build(spans, bs, device, cascade)
         fixed = len(plan.tiles) - plan.num_decode_tiles
         tiles = self.tiles[:fixed] + tuple(Tile.from_plan(t, device, len(spans)) for t in plan.tiles[fixed:])
         merge_index = self.merge_index
@@ -384,32 +392,38 @@ class AttentionBatch:
         )
 
 
-# A shared segment of decode rows only is cascaded when members x keys reach this (and it
-# has `attention_plan.MIN_DECODE_SEGMENT_MEMBERS`), where the native decode kernel runs and
-# the flash kernel copies K/V 16 keys at a time (`kernels.flash_gathers_wide`): below it,
-# each row reading the segment from cache in its own item beats the segment's flash item
-# and merge. `python -m bench.attention_kernels`, cascade block, 4 layers, bfloat16 pool,
-# cascaded vs flat (ms): 4 groups of 8 rows x 1,024 shared keys 0.88 vs 1.41, 8 x 3 x 1,024
-# 0.91 vs 1.07, 4 x 6 x 512 0.46 vs 0.61; at 2,048 reads about even (8 x 4 x 512 0.70 vs
-# 0.77, float32 0.95 vs 0.92), at 1,024 even (8 x 4 x 256: 0.47 vs 0.49).
-DECODE_SEGMENT_MIN_READS = 3 * 1024
-# The same where the flash kernel copies a key at a time (an AVX2 build; a head size the wide
-# copies do not take): there 3 or 4 members lost (the same block, 8-lane build, float32:
-# 8 x 3 x 1,024 2.06 vs 1.75 ms, 8 x 4 x 1,024 2.47 vs 2.35) and the threshold stays the one
-# measured before the wide copies.
-NARROW_GATHER_SEGMENT_MIN_READS = 16 * 1024
+# When a shared segment of decode rows only is cascaded where the native decode kernel runs,
+# by how many keys at a time the flash kernel copies K/V out of the pool
+# (`kernels.flash_gather_keys`); below the rule, each row reading the segment from cache in
+# its own item beats the segment's flash item and merge. `python -m bench.attention_kernels`,
+# cascade block, 4 layers, cascaded vs flat (ms).
+# 16 keys at a time (AVX-512), a bfloat16 pool on a 2-core Zen 5: 4 groups of 8 rows x 1,024
+# shared keys 0.88 vs 1.41, 8 x 3 x 1,024 0.91 vs 1.07, 4 x 6 x 512 0.46 vs 0.61; two members
+# lose at every length (16 x 2 x 1,024: 1.74 vs 1.46, float32 3.11 vs 2.85); at 2,048 reads
+# about even (8 x 4 x 512 0.70 vs 0.77, float32 0.95 vs 0.92), at 1,024 even (8 x 4 x 256:
+# 0.47 vs 0.49).
+WIDE_GATHER_CASCADE = DecodeCascade(min_members=3, min_reads=3 * 1024)
+# 8 keys at a time (AVX2, whose flash tiles take 6 rows), 2-core Zen 3, interleaved, medians
+# of 25, cascaded / flat, float32 and bfloat16 pools: members count, not reads (8,192 reads
+# each): 2 x 16 x 512 0.76 and 0.68, 4 x 8 x 1,024 0.81 and 0.77, 4 x 4 x 2,048 1.22 and
+# 1.14, 4 x 2 x 4,096 2.02 and 1.74; 4 x 6 x 1,024 0.96 and 0.78, 8 x 4 x 1,024 1.31 and
+# 1.07, 8 x 3 x 1,024 1.29 and 1.10.
+NARROW_GATHER_CASCADE = DecodeCascade(min_members=6, min_reads=3 * 1024)
+# A key at a time (a head size the register copies do not take, a machine without AVX2):
+# the rule measured before the wide copies (3 or 4 members lost: the same block, 8-lane
+# build, float32: 8 x 3 x 1,024 2.06 vs 1.75 ms, 8 x 4 x 1,024 2.47 vs 2.35).
+KEY_GATHER_CASCADE = DecodeCascade(min_members=3, min_reads=16 * 1024)
 
 
-def decode_segment_min_reads(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
+def decode_cascade(device: torch.device, dtype: torch.dtype, head_dim: int) -> DecodeCascade:
     """What to pass `AttentionBatch.build` for a model running in `dtype` on `device`, with
-    K/V heads of `head_dim`."""
+    K/V heads of `head_dim`: off the native decode kernel, every segment."""
     native = device.type == "cpu" and dtype in NATIVE_POOL_DTYPES and kernels.paged_decode() is not None
-    if not native:
-        return 0
-    wide = kernels.flash_gathers_wide()
-    if wide is not None and wide(head_dim, dtype == torch.bfloat16):
-        return DECODE_SEGMENT_MIN_READS
-    return NARROW_GATHER_SEGMENT_MIN_READS
+    gather_keys = kernels.flash_gather_keys()
+    if not native or gather_keys is None:
+        return EVERY_SEGMENT
+    keys = gather_keys(head_dim, dtype == torch.bfloat16)
+    return WIDE_GATHER_CASCADE if keys >= 16 else NARROW_GATHER_CASCADE if keys >= 8 else KEY_GATHER_CASCADE
 
 
 def paged_attention(

@@ -14,12 +14,12 @@ their log-sum-exp, so splitting a context changes nothing but float rounding.
   item, so its K/V is read once however many sequences share it. Segments nest: the
   tables form a trie (a system prompt shared by all, a document shared by some, ...),
   and every maximal run of blocks with the same set of members is one segment.
-  A segment read by decode rows only is worth its own item when it saves enough reads
-  (`min_decode_segment_reads`, members x keys) and has at least
-  `MIN_DECODE_SEGMENT_MEMBERS` members: a decode row's private context runs a
-  kernel that reads keys straight from the pool, where a few rows re-reading a short
-  prefix (from cache) cost less than the segment's gather, kernel call and merge. A
-  dropped segment takes its nested segments with it (they would start after a gap).
+  A segment read by decode rows only is worth its own item when it has enough members
+  and saves enough reads (members x keys), as the step's `DecodeCascade` says: a decode
+  row's private context runs a kernel that reads keys straight from the pool, where a few
+  rows re-reading a short prefix (from cache) cost less than the segment's gather, kernel
+  call and merge. A dropped segment takes its nested segments with it (they would start
+  after a gap).
 - *Private context*: the rest of a sequence's cached context, after its deepest segment.
 - *New tokens*: a sequence's new positions attend causally to each other (a square,
   top-left-aligned causal item: no mask). A single new token (a decode row) instead joins
@@ -45,12 +45,29 @@ import numpy as np
 
 # A segment needs this many member sequences to be worth its own item.
 MIN_SEGMENT_MEMBERS = 2
-# ... and this many where its members are all decode rows and a read budget applies (the
-# native decode kernel): two rows re-reading a segment cost less than its flash item and merge
-# at every length measured (`python -m bench.attention_kernels`, cascade block: 16 x 2 rows x
-# 1,024 shared keys, 4 layers: 1.74 ms cascaded vs 1.46 flat on a bfloat16 pool, 3.11 vs 2.85
-# on a float32 one), three gain.
-MIN_DECODE_SEGMENT_MEMBERS = 3
+
+
+@dataclass(frozen=True)
+class DecodeCascade:
+    """When a segment whose members are all decode rows gets its own item (read once for
+    all of them, then merged) rather than being read by each row in its private context:
+    from `min_members` members and `min_reads` members x keys. What pays depends on the
+    kernels (computed.attention's `decode_cascade` chooses); the default keeps every
+    segment, from two members."""
+
+    min_members: int = MIN_SEGMENT_MEMBERS
+    min_reads: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.min_members >= MIN_SEGMENT_MEMBERS, f"a segment has two members or more: {self}"
+        assert self.min_reads >= 0, f"a negative read budget: {self}"
+
+    @property
+    def keeps_every_segment(self) -> bool:
+        return self.min_members <= MIN_SEGMENT_MEMBERS and self.min_reads <= 0
+
+
+EVERY_SEGMENT = DecodeCascade()
 
 
 @dataclass(frozen=True)
@@ -148,26 +165,25 @@ def plan_attention(
     context_lens: Sequence[int],
     tables: np.ndarray,
     block_size: int,
-    min_decode_segment_reads: int = 0,
+    cascade: DecodeCascade = EVERY_SEGMENT,
 ) -> AttentionPlan:
     """The tiles of one step. `tables` (S, N) int64 block ids (padding past a row's blocks
     is never read); span i's new queries are flat rows `query_starts[i] ...` at positions
     `context_lens[i] - query_lens[i] ...`. A segment whose members are all decode rows is
-    kept only if members x keys >= `min_decode_segment_reads` and it has at least
-    `MIN_DECODE_SEGMENT_MEMBERS` members (0: every segment, from two members)."""
+    kept only as `cascade` says."""
     starts = np.asarray(query_starts, dtype=np.int64)
     lens = np.asarray(query_lens, dtype=np.int64)
     contexts = np.asarray(context_lens, dtype=np.int64)
     firsts = contexts - lens
     shareable = firsts // block_size
-    if min_decode_segment_reads <= 0:
+    if cascade.keeps_every_segment:
         segments = find_segments(tables, shareable)
-    elif (lens == 1).all() and len(lens) * int(shareable.max()) * block_size < min_decode_segment_reads:
+    elif (lens == 1).all() and (
+        len(lens) < cascade.min_members or len(lens) * int(shareable.max()) * block_size < cascade.min_reads
+    ):
         segments = []  # decode rows only, too few for any segment to pay: no search
     else:
-        segments = _worth_cascading(
-            find_segments(tables, shareable), lens, block_size, min_decode_segment_reads
-        )
+        segments = _worth_cascading(find_segments(tables, shareable), lens, block_size, cascade)
     covered = _covered(segments, len(starts))
     offsets = np.arange(block_size, dtype=np.int64)
     items: list[_Item] = []
@@ -199,7 +215,7 @@ def advance_decode(
     `tables` the same block ids with a span's next block filled in where it needs one.
 
     Equal to `plan_attention(range(S), [1] * S, context_lens, tables, block_size,
-    min_reads)` for the `min_reads` that made `plan`: a segment is a run of blocks held at
+    cascade)` for the `cascade` that made `plan`: a segment is a run of blocks held at
     the same depth by several rows before their queries, and a block that has just moved
     before a row's query holds its own latest tokens (written by it alone), so the
     segments stay the same unless that block's id also sits at the same depth of another
@@ -248,10 +264,10 @@ def _covered(segments: Sequence[Segment], num_spans: int) -> np.ndarray:
 
 
 def _worth_cascading(
-    segments: list[Segment], lens: np.ndarray, block_size: int, min_decode_reads: int
+    segments: list[Segment], lens: np.ndarray, block_size: int, cascade: DecodeCascade
 ) -> list[Segment]:
     """The segments kept, parents first. A segment with a prefill member is kept (its
-    rows run a fused kernel either way); a decode-only one needs `min_decode_reads`. A
+    rows run a fused kernel either way); a decode-only one needs what `cascade` says. A
     nested segment is kept only under a kept parent, so each row's kept segments stay one
     unbroken run from block 0 and its private context starts where they end."""
     kept: list[Segment] = []
@@ -262,7 +278,7 @@ def _worth_cascading(
         )
         decode_only = bool((lens[list(seg.span_indices)] == 1).all())
         reads = len(members) * seg.num_blocks * block_size
-        worth = len(members) >= MIN_DECODE_SEGMENT_MEMBERS and reads >= min_decode_reads
+        worth = len(members) >= cascade.min_members and reads >= cascade.min_reads
         if under_kept and (not decode_only or worth):
             kept.append(seg)
     return kept

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from computed.attention import AttentionBatch, SpanInput, decode_segment_min_reads
+from computed.attention import AttentionBatch, SpanInput, decode_cascade
 from computed.decode_graphs import DecodeGraphs
 from computed.directory_ops import CopyPlan
 from computed.host_kv import HostKV
@@ -107,7 +107,7 @@ class ModelRunner:
         self.shared = shared
         self.block_size = block_size
         self.device = device
-        self._min_decode_segment_reads = decode_segment_min_reads(device, pool.dtype, pool.head_dim)
+        self._cascade = decode_cascade(device, pool.dtype, pool.head_dim)
         # Which attention code runs, chosen once for this model and pool (computed.backends).
         choice = model.choose_attention_backend(pool)
         log.info("attention_backend_selected", backend=choice.backend.name, reason=choice.reason)
@@ -207,16 +207,14 @@ class ModelRunner:
         every_row_sampled = len(inp.sample_rows) == len(inp.token_ids)  # a decode step's rows
         if graphs is not None and every_row_sampled and graphs.bucket_for(inp.spans) is not None:
             return None
-        min_reads = self._min_decode_segment_reads
         if previous is not None:
-            return previous.next_decode(inp.spans, min_reads)
-        return AttentionBatch.build(inp.spans, self.block_size, self.device, min_reads)
+            return previous.next_decode(inp.spans, self._cascade)
+        return AttentionBatch.build(inp.spans, self.block_size, self.device, self._cascade)
 
     def _run(self, inp: ForwardInput, batch: AttentionBatch | None) -> list[int | None]:
         """`batch`: `_plan`'s answer (None: the static decode buffers serve this step)."""
         for recompute in inp.recomputes:
             self._recompute_prompt_logprobs(recompute)
-        min_reads = self._min_decode_segment_reads
         out: list[int | None] = [None] * inp.num_chunks
         if batch is None:  # a decode step the static buffers serve
             assert self.decode_graphs is not None
@@ -233,7 +231,7 @@ class ModelRunner:
         else:  # the last layer for the sampled rows only (computed.output_rows)
             input_ids = torch.tensor(inp.token_ids, dtype=torch.long, device=self.device)  # (T,)
             read = OutputRows.build(
-                inp.spans, inp.sample_rows, inp.sample_chunks, self.block_size, self.device, min_reads
+                inp.spans, inp.sample_rows, inp.sample_chunks, self.block_size, self.device, self._cascade
             )
             hidden = self.model(input_ids, batch, self.pool, read)  # (S, hidden)
         if not inp.sample_rows:
@@ -270,7 +268,7 @@ class ModelRunner:
         span writes nothing: its tokens' K/V are read back from the pool, as a cold
         prefill reads what it wrote), for their logits."""
         span = recompute.span
-        batch = AttentionBatch.build([span], self.block_size, self.device, self._min_decode_segment_reads)
+        batch = AttentionBatch.build([span], self.block_size, self.device, self._cascade)
         input_ids = torch.tensor(recompute.token_ids, dtype=torch.long, device=self.device)  # (R,)
         hidden = self.model(input_ids, batch, self.pool)  # (R, hidden)
         rows = PromptRows(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from computed.attention import AttentionBatch, SpanInput
+from computed.attention_plan import EVERY_SEGMENT, DecodeCascade
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class OutputRows:
         chunks: Sequence[int],
         block_size: int,
         device: torch.device,
-        min_decode_segment_reads: int = 0,
+        cascade: DecodeCascade = EVERY_SEGMENT,
     ) -> OutputRows:
         """For the step of `spans` reading flat row `rows[i]`, the last new token of chunk
         `chunks[i]`."""
@@ -53,5 +54,5 @@ class OutputRows:
             assert row == ends[chunk] - 1, "a read row is its chunk's last new token"
             position = span.num_computed_tokens + span.num_new_tokens - 1
             read.append(SpanInput(span.block_table, position, 1, False))
-        batch = AttentionBatch.build(read, block_size, device, min_decode_segment_reads) if read else None
+        batch = AttentionBatch.build(read, block_size, device, cascade) if read else None
         return cls(torch.tensor(list(rows), dtype=torch.long, device=device), batch)

@@ -1,7 +1,7 @@
 """Native CPU kernels, built with torch's C++ extension tooling on first use.
 
 Each accessor answers the `torch.ops.kvcache` op of its name: `paged_decode()`
-(paged_decode.cpp), `paged_flash()` and `flash_gathers_wide()` (paged_flash.cpp), `pack_linear_weight()`,
+(paged_decode.cpp), `paged_flash()` and `flash_gather_keys()` (paged_flash.cpp), `pack_linear_weight()`,
 `pack_linear_weight_bf16()`, `pack_linear_weight_bf16_dot()` and `packed_linear()` (packed_linear.cpp), `rotary()` (rotary.cpp), `rms_norm()` and
 `add_rms_norm()` (rms_norm.cpp), `merge_partials()` (merge.cpp), `silu_mul()`
 (silu_mul.cpp), `argmax_rows()` (argmax.cpp), `write_kv()` (kv_write.cpp), and
@@ -124,11 +124,12 @@ def packed_linear_swiglu() -> Callable | None:
     return torch.ops.kvcache.packed_linear_swiglu if _loaded()[0] else None
 
 
-def flash_gathers_wide() -> Callable | None:
-    """`flash_gathers_wide(head_dim, bfloat16_pool) -> bool`: whether `paged_flash()` copies
-    K/V out of the pool 16 keys at a time for that head size and pool dtype in this build
-    (AVX-512; AVX512_BF16 for a bfloat16 pool), or None as `paged_decode()`."""
-    return torch.ops.kvcache.flash_gathers_wide if _loaded()[0] else None
+def flash_gather_keys() -> Callable | None:
+    """`flash_gather_keys(head_dim, bfloat16_pool) -> int`: how many keys at a time
+    `paged_flash()` copies K/V out of the pool for that head size and pool dtype in this
+    build: 16 (AVX-512; AVX512_BF16 for a bfloat16 pool), 8 (AVX2) or 1; or None as
+    `paged_decode()`."""
+    return torch.ops.kvcache.flash_gather_keys if _loaded()[0] else None
 
 
 def parallel_visits() -> Callable | None:

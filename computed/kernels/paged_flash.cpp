@@ -146,6 +146,65 @@ inline void gather(const T* kp, const T* vp, const int64_t* slots, int64_t len, 
   }
 }
 
+// The head sizes the register-transposing gathers (gather8, gather16, gather_dot) take.
+constexpr int64_t kMaxGatherDim = 256;
+
+#if defined(__AVX2__)
+// 8 rows of 8 floats transposed in registers: r[c] becomes column c of the block.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // per lane: column k of rows 4i .. 4i + 3 in u[4i + k]
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {  // low lanes: columns 0-3, high lanes: columns 4-7
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
+// gather's job 8 keys at a time (T: float, or uint16_t bfloat16 bits widened as it loads),
+// head size a multiple of 8 (at most kMaxGatherDim): their K rows transposed by 8 x 8
+// blocks in registers, one store per head dimension where gather stores each key's values
+// one by one. The same bytes in the same places as gather. Why: on a machine without
+// AVX-512 (2-core Zen 3) the key-at-a-time copy made a cascade segment of a few decode rows
+// cost more than reading its keys flat (`python -m bench.attention_kernels`' cascade block,
+// float32, 8 x 4 rows x 1,024 shared keys: GATHER8_PLACEHOLDER).
+template <class T>
+inline void gather8(const T* kp, const T* vp, const int64_t* slots, int64_t len, int64_t lp_keys, const Shape& sh,
+                    int64_t h, float* kt, float* vc) {
+  alignas(64) static const T kZeros[kMaxGatherDim] = {};
+  for (int64_t j0 = 0; j0 < lp_keys; j0 += 8) {  // 8 keys inside one key block (kBlockKeys % 8 == 0)
+    float* tile = kt + (j0 / kBlockKeys) * kBlockKeys * sh.dim + j0 % kBlockKeys;
+    const T* krow[8];
+    for (int r = 0; r < 8; ++r) {
+      const int64_t j = j0 + r;
+      prefetch_ahead(kp, vp, slots, j, len, sh, h);
+      if (j < len) {
+        const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
+        krow[r] = kp + row;
+        for (int64_t d = 0; d < sh.dim; d += 8) store(vc + j * sh.dim + d, load_kv(vp + row + d));
+      } else {
+        krow[r] = kZeros;
+        std::fill(vc + j * sh.dim, vc + (j + 1) * sh.dim, 0.f);
+      }
+    }
+    for (int64_t d0 = 0; d0 < sh.dim; d0 += 8) {
+      __m256 x[8];
+      for (int r = 0; r < 8; ++r) x[r] = (__m256)load_kv(krow[r] + d0);
+      transpose8(x);
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(tile + (d0 + c) * kBlockKeys, x[c]);
+    }
+  }
+}
+#endif
+
 #if defined(KVCACHE_V16)
 // 16 rows of 16 floats transposed in registers: r[c] becomes column c of the block.
 inline void transpose16(__m512 r[16]) {
@@ -180,7 +239,6 @@ inline void transpose16(__m512 r[16]) {
 // one here). The same bytes in the same places as gather. Why: gather was ~12% of a warm
 // prefill's forward (64 new tokens over 4,096 cached, default model, 1 thread: py-spy
 // --native, the job loop's own samples), ~0.1 ms of each (item, K/V head) job's ~1 ms.
-constexpr int64_t kMaxGatherDim = 256;
 inline void gather16(const float* kp, const float* vp, const int64_t* slots, int64_t len, int64_t lp_keys,
                      const Shape& sh, int64_t h, float* kt, float* vc) {
   alignas(64) static const float kZeros[kMaxGatherDim] = {};
@@ -221,7 +279,7 @@ inline void gather16(const float* kp, const float* vp, const int64_t* slots, int
 // tile of 4 items x 8 decode rows x 1,024 shared keys, a bfloat16 pool, 2 threads: 248 ->
 // 137 us (4 x 4 rows: 218 -> 103, 1 x 32: 120 -> 92); it is what lets decode rows cascade
 // from 3 members (`python -m bench.attention_kernels`' cascade block,
-// `DECODE_SEGMENT_MIN_READS`).
+// computed.attention's `WIDE_GATHER_CASCADE`).
 inline void gather_dot(const uint16_t* kp, const uint16_t* vp, const int64_t* slots, int64_t len,
                        int64_t lp_keys, const Shape& sh, int64_t h, uint32_t* ktw, uint32_t* vw) {
   alignas(64) static const uint16_t kZeros[kMaxGatherDim] = {};
@@ -817,6 +875,11 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
             gather16(kp, vp, slots + i * sh.width, len, lp_keys, sh, h, kt_data, vc_data);
           else
 #endif
+#if defined(__AVX2__)
+          if (sh.dim % 8 == 0 && sh.dim <= kMaxGatherDim)
+            gather8(kp, vp, slots + i * sh.width, len, lp_keys, sh, h, kt_data, vc_data);
+          else
+#endif
             gather(kp, vp, slots + i * sh.width, len, lp_keys, sh, h, kt_data, vc_data);
           by_dim(std::false_type{});
           continue;
@@ -833,7 +896,12 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
           continue;
         }
 #endif
-        gather(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, kt_data, vc_data);
+#if defined(__AVX2__)
+        if (sh.dim % 8 == 0 && sh.dim <= kMaxGatherDim)
+          gather8(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, kt_data, vc_data);
+        else
+#endif
+          gather(kb, vb, slots + i * sh.width, len, lp_keys, sh, h, kt_data, vc_data);
         by_dim(std::true_type{});
       }
     }
@@ -841,23 +909,21 @@ std::tuple<at::Tensor, at::Tensor> paged_flash(const at::Tensor& q, const at::Te
   return {out, lse};
 }
 
-// Whether paged_flash copies a job's K/V out of the pool 16 keys at a time (gather16,
-// gather_dot) for this head size and pool dtype in this build, rather than a key at a time:
-// a cascade segment of few decode rows pays off only with the wide copy (computed.attention's
-// DECODE_SEGMENT_MIN_READS).
-bool flash_gathers_wide(int64_t head_dim, bool bfloat16_pool) {
-  if (bfloat16_pool) {
+// How many keys at a time paged_flash copies a job's K/V out of the pool for this head size
+// and pool dtype in this build: 16 (gather16, gather_dot), 8 (gather8) or 1 (gather). A
+// cascade segment of few decode rows pays off only where the copy is wide
+// (computed.attention's `decode_cascade`).
+int64_t flash_gather_keys(int64_t head_dim, bool bfloat16_pool) {
 #if defined(KVCACHE_FLASH_DOT)
-    return head_dim == 32 || head_dim == 64 || head_dim == 128;
-#else
-    return false;
+  if (bfloat16_pool && (head_dim == 32 || head_dim == 64 || head_dim == 128)) return 16;
 #endif
-  }
 #if defined(KVCACHE_V16)
-  return head_dim % 16 == 0 && head_dim <= kMaxGatherDim;
-#else
-  return false;
+  if (!bfloat16_pool && head_dim % 16 == 0 && head_dim <= kMaxGatherDim) return 16;
 #endif
+#if defined(__AVX2__)
+  if (head_dim % 8 == 0 && head_dim <= kMaxGatherDim) return 8;
+#endif
+  return 1;
 }
 
 }  // namespace
@@ -867,7 +933,7 @@ TORCH_LIBRARY_FRAGMENT(kvcache, m) {
       "paged_flash(Tensor q, Tensor keys, Tensor values, Tensor key_slots, Tensor key_lens, bool causal, "
       "float scale) -> (Tensor, Tensor)");
   // No tensor argument to dispatch on: one kernel for every key.
-  m.def("flash_gathers_wide(int head_dim, bool bfloat16_pool) -> bool", flash_gathers_wide);
+  m.def("flash_gather_keys(int head_dim, bool bfloat16_pool) -> int", flash_gather_keys);
 }
 
 TORCH_LIBRARY_IMPL(kvcache, CPU, m) {

@@ -15,7 +15,7 @@ import torch
 
 from computed import attention, kernels
 from computed.attention import AttentionBatch, SpanInput, paged_attention
-from computed.attention_plan import MIN_DECODE_SEGMENT_MEMBERS, find_segments, plan_attention
+from computed.attention_plan import EVERY_SEGMENT, DecodeCascade, find_segments, plan_attention
 from computed.kv_pool import KVPool
 
 CPU = torch.device("cpu")
@@ -71,11 +71,11 @@ def _dense(q, keys, values, heads: int, kv_heads: int, dim: int, cached, lengths
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("min_decode_segment_reads", [0, 40])
+@pytest.mark.parametrize("cascade", [EVERY_SEGMENT, DecodeCascade(3, 40)])
 @pytest.mark.parametrize("path", ["native", "fused-cpu", "matmul"])
 @pytest.mark.parametrize("seed", range(12))
 def test_random_steps_match_dense_attention(
-    seed: int, path: str, min_decode_segment_reads: int, monkeypatch
+    seed: int, path: str, cascade: DecodeCascade, monkeypatch
 ) -> None:
     if path == "native":
         if not kernels.has_compiler():
@@ -97,7 +97,7 @@ def test_random_steps_match_dense_attention(
     spans, tables, cached, lengths = _random_step(rng, block, rng.randint(1, 12))
     pool = KVPool(1, 400, block, kv_heads, dim, torch.float32, CPU)
     keys, values = _fill(pool, tables, cached, kv_heads, dim, gen)
-    batch = AttentionBatch.build(spans, block, CPU, min_decode_segment_reads)
+    batch = AttentionBatch.build(spans, block, CPU, cascade)
     k_new = torch.randn(batch.num_tokens, kv_heads, dim, generator=gen)
     v_new = torch.randn(batch.num_tokens, kv_heads, dim, generator=gen)
     q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
@@ -130,48 +130,59 @@ def test_small_decode_only_segments_are_read_flat() -> None:
     """Below the threshold a decode-only segment is no item of its own: each row's private
     context starts at block 0 (fewer tiles); at or above it the segment stays."""
     tables = [[1, 2, 10 + i] for i in range(3)]  # 3 rows x 2 shared blocks of 4 = 24 reads
-    flat = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, min_decode_segment_reads=25)
+    flat = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, DecodeCascade(3, 25))
     assert flat.shared_prefixes == ()
     assert [t.num_keys for t in flat.tiles] == [12]
-    kept = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, min_decode_segment_reads=24)
+    kept = AttentionBatch.build(_decode_spans(tables, 4), 4, CPU, DecodeCascade(3, 24))
     assert [g.span_indices for g in kept.shared_prefixes] == [(0, 1, 2)]
 
 
-def test_a_decode_only_segment_needs_three_members() -> None:
-    """Two decode rows never cascade a segment under a read budget, however long it is (two
-    re-reads cost less than its item and merge); three do, and with no budget two do."""
-    shared = list(range(1, 65))  # 64 blocks of 4: 256 keys
-    two = _decode_spans([[*shared, 100 + i] for i in range(2)], 4)
-    assert MIN_DECODE_SEGMENT_MEMBERS == 3
-    assert AttentionBatch.build(two, 4, CPU, min_decode_segment_reads=8).shared_prefixes == ()
-    assert [g.span_indices for g in AttentionBatch.build(two, 4, CPU).shared_prefixes] == [(0, 1)]
-    three = _decode_spans([[*shared, 100 + i] for i in range(3)], 4)
-    kept = AttentionBatch.build(three, 4, CPU, min_decode_segment_reads=8)
+def test_a_decode_only_segment_needs_its_members() -> None:
+    """A decode-only segment under a cascade rule needs its members, however long it is
+    (two rows re-reading it cost less than its item and merge under the wide copy's rule,
+    five under the 8-key copy's); with no rule two members do."""
+    shared = list(range(1, 129))  # 128 blocks of 4: 512 keys, 6 x 512 = 3K reads
+
+    def rows(n: int) -> list[SpanInput]:
+        return _decode_spans([[*shared, 1000 + i] for i in range(n)], 4)
+
+    wide, narrow = attention.WIDE_GATHER_CASCADE, attention.NARROW_GATHER_CASCADE
+    assert (wide.min_members, narrow.min_members) == (3, 6)
+    assert AttentionBatch.build(rows(2), 4, CPU, DecodeCascade(3, 8)).shared_prefixes == ()
+    assert [g.span_indices for g in AttentionBatch.build(rows(2), 4, CPU).shared_prefixes] == [(0, 1)]
+    kept = AttentionBatch.build(rows(3), 4, CPU, DecodeCascade(3, 8))
     assert [g.span_indices for g in kept.shared_prefixes] == [(0, 1, 2)]
+    assert AttentionBatch.build(rows(5), 4, CPU, narrow).shared_prefixes == ()
+    assert [g.span_indices for g in AttentionBatch.build(rows(6), 4, CPU, narrow).shared_prefixes] == [
+        tuple(range(6))
+    ]
 
 
-def test_the_decode_cascade_budget_follows_the_flash_kernels_copy() -> None:
-    """The 3K-read budget where the native kernels copy K/V 16 keys at a time for the pool's
-    dtype and head size, the 16K one where they copy a key at a time, none off the native
-    path (every segment cascades)."""
+def test_the_decode_cascade_rule_follows_the_flash_kernels_copy() -> None:
+    """The wide copy's rule where the native kernels copy K/V 16 keys at a time for the
+    pool's dtype and head size, the 8-key copy's where 8, the key-at-a-time one's elsewhere,
+    every segment off the native path."""
     cpu = torch.device("cpu")
-    wide = kernels.flash_gathers_wide()
+    gather_keys = kernels.flash_gather_keys()
+    rules = {
+        16: attention.WIDE_GATHER_CASCADE,
+        8: attention.NARROW_GATHER_CASCADE,
+        1: attention.KEY_GATHER_CASCADE,
+    }
     for dtype in (torch.float32, torch.bfloat16):
-        for head_dim in (24, 32, 64):
-            got = attention.decode_segment_min_reads(cpu, dtype, head_dim)
+        for head_dim in (24, 32, 64, 1024):
+            got = attention.decode_cascade(cpu, dtype, head_dim)
             if kernels.paged_decode() is None:
-                assert got == 0
-            elif wide(head_dim, dtype == torch.bfloat16):
-                assert got == attention.DECODE_SEGMENT_MIN_READS == 3 * 1024
+                assert got == EVERY_SEGMENT
             else:
-                assert got == attention.NARROW_GATHER_SEGMENT_MIN_READS == 16 * 1024
-    assert attention.decode_segment_min_reads(cpu, torch.float16, 32) == 0
-    assert attention.decode_segment_min_reads(torch.device("cuda"), torch.bfloat16, 32) == 0
+                assert got == rules[gather_keys(head_dim, dtype == torch.bfloat16)]
+    assert attention.decode_cascade(cpu, torch.float16, 32) == EVERY_SEGMENT
+    assert attention.decode_cascade(torch.device("cuda"), torch.bfloat16, 32) == EVERY_SEGMENT
 
 
 def test_a_prefill_member_keeps_its_segment() -> None:
     spans = _decode_spans([[1, 2, 10], [1, 2, 11]], 4) + [SpanInput([1, 2, 12], 8, 3)]
-    batch = AttentionBatch.build(spans, 4, CPU, min_decode_segment_reads=10**6)
+    batch = AttentionBatch.build(spans, 4, CPU, DecodeCascade(3, 10**6))
     assert [g.span_indices for g in batch.shared_prefixes] == [(0, 1, 2)]
 
 
@@ -180,9 +191,12 @@ def test_a_nested_segment_goes_with_its_dropped_parent() -> None:
     reads, enough alone): kept alone it would leave block 1 unread by rows 0 and 1."""
     deep = [2, 3, 4, 5, 6, 7]
     tables = [[1, *deep, 20], [1, *deep, 21], [1, 30, 31, 32, 33, 34, 35, 36]]
-    plan = plan_attention([0, 1, 2], [1, 1, 1], [31, 31, 31], np.array(tables), 4, 40)
+    plan = plan_attention([0, 1, 2], [1, 1, 1], [31, 31, 31], np.array(tables), 4, DecodeCascade(2, 40))
     assert plan.segments == ()
-    assert plan_attention([0, 1, 2], [1, 1, 1], [31, 31, 31], np.array(tables), 4, 12).segments != ()
+    assert (
+        plan_attention([0, 1, 2], [1, 1, 1], [31, 31, 31], np.array(tables), 4, DecodeCascade(2, 12)).segments
+        != ()
+    )
 
 
 def test_segments_stop_before_unshareable_blocks() -> None:
@@ -268,9 +282,9 @@ def _same_batch(a: AttentionBatch, b: AttentionBatch) -> None:
         )
 
 
-@pytest.mark.parametrize("min_decode_segment_reads", [0, 40, 16 * 1024])
+@pytest.mark.parametrize("cascade", [EVERY_SEGMENT, DecodeCascade(3, 40), DecodeCascade(6, 16 * 1024)])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_burst_step_is_the_batch_a_fresh_build_makes(seed: int, min_decode_segment_reads: int) -> None:
+def test_a_burst_step_is_the_batch_a_fresh_build_makes(seed: int, cascade: DecodeCascade) -> None:
     """`next_decode` over 20 decode steps of rows behind nested shared prefixes, each
     entering new blocks at its own time: field for field what `build` makes."""
     rng = random.Random(seed)
@@ -278,7 +292,7 @@ def test_a_burst_step_is_the_batch_a_fresh_build_makes(seed: int, min_decode_seg
     spans, _, _, _ = _random_step(rng, block, rng.randint(1, 12))
     spans = [SpanInput(s.block_table, s.num_computed_tokens + s.num_new_tokens - 1, 1) for s in spans]
     fresh_blocks = iter(range(1000, 2000))
-    batch = AttentionBatch.build(spans, block, CPU, min_decode_segment_reads)
+    batch = AttentionBatch.build(spans, block, CPU, cascade)
     for _ in range(20):
         grown = []
         for s in spans:
@@ -287,8 +301,8 @@ def test_a_burst_step_is_the_batch_a_fresh_build_makes(seed: int, min_decode_seg
                 table.append(next(fresh_blocks))
             grown.append(SpanInput(table, s.num_computed_tokens + 1, 1))
         spans = grown
-        batch = batch.next_decode(spans, min_decode_segment_reads)
-        _same_batch(batch, AttentionBatch.build(spans, block, CPU, min_decode_segment_reads))
+        batch = batch.next_decode(spans, cascade)
+        _same_batch(batch, AttentionBatch.build(spans, block, CPU, cascade))
 
 
 def test_a_burst_step_plans_afresh_where_a_block_becomes_shared() -> None:

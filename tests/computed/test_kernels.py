@@ -5,6 +5,7 @@ batch-invariant within them), and their input checks."""
 from __future__ import annotations
 
 import contextlib
+import platform
 
 import pytest
 import torch
@@ -136,19 +137,22 @@ def test_flash_matches_dense_attention(
 
 
 @needs_compiler
-def test_flash_gathers_wide_says_what_this_build_copies(paged_flash) -> None:
-    """16 keys at a time where the build has the copy (computed.attention's cascade threshold
-    depends on it): AVX-512 for a float32 pool at head sizes that are multiples of 16 up to
-    256; AVX512_BF16 (with AVX512_BW) for a bfloat16 pool at 32, 64 and 128; never elsewhere.
-    The ISA variants of tests/computed/test_kernel_isas.py run this too."""
-    wide = _built(kernels.flash_gathers_wide())
+def test_flash_gather_keys_says_what_this_build_copies(paged_flash) -> None:
+    """Keys copied at a time (computed.attention's cascade rule depends on it): 16 where the
+    build has AVX-512, for a float32 pool at head sizes that are multiples of 16 up to 256,
+    and AVX512_BF16 (with AVX512_BW) for a bfloat16 pool at 32, 64 and 128; else 8 where it
+    has AVX2, at head sizes that are multiples of 8 up to 256; else 1. The ISA variants of
+    tests/computed/test_kernel_isas.py run this too."""
+    keys = _built(kernels.flash_gather_keys())
     cpu, flags = kernels._cpu_flags().split(), kernels.cflags()
+    avx2 = "avx2" in cpu and platform.machine() in ("x86_64", "AMD64")
     v16 = "avx512f" in cpu and "-mno-avx512f" not in flags
     dot = v16 and {"avx512_bf16", "avx512bw"} <= set(cpu) and "-mno-avx512bf16" not in flags
-    assert [wide(d, False) for d in (16, 32, 64, 128, 256)] == [v16] * 5
-    assert not wide(24, False) and not wide(512, False)
-    assert [wide(d, True) for d in (32, 64, 128)] == [dot] * 3
-    assert not wide(16, True) and not wide(48, True) and not wide(256, True)
+    narrow = 8 if avx2 else 1
+    assert [keys(d, False) for d in (16, 32, 64, 128, 256)] == [16 if v16 else narrow] * 5
+    assert keys(24, False) == keys(24, True) == narrow and keys(512, False) == keys(512, True) == 1
+    assert [keys(d, True) for d in (32, 64, 128)] == [16 if dot else narrow] * 3
+    assert keys(16, True) == keys(48, True) == keys(256, True) == narrow
 
 
 @needs_compiler

@@ -91,8 +91,8 @@ def run(loaded, native: bool, pool_dtype: torch.dtype = torch.float32) -> tuple[
         pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, pool_dtype, CPU)
         outs = []
         for spans, ids in steps(c.vocab_size):
-            # min_decode_segment_reads=0: every shared run is cascaded, merges included.
-            batch = AttentionBatch.build(spans, BLOCK, CPU, 0)
+            # the default cascade rule: every shared run is cascaded, merges included.
+            batch = AttentionBatch.build(spans, BLOCK, CPU)
             hidden = model(torch.tensor(ids), batch, pool)
             outs += [hidden, model.compute_logits(hidden[batch.last_token_index])]
         return outs, pool
@@ -146,9 +146,9 @@ def test_whole_step_op_reads_the_sampled_rows_as_the_layer_loop_does(loaded, poo
         pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, pool_dtype, CPU)
         outs = []
         for spans, ids in steps(c.vocab_size):
-            batch = AttentionBatch.build(spans, BLOCK, CPU, 0)
+            batch = AttentionBatch.build(spans, BLOCK, CPU)
             ends = list(itertools.accumulate(s.num_new_tokens for s in spans))
-            read = OutputRows.build(spans, [e - 1 for e in ends], list(range(len(spans))), BLOCK, CPU, 0)
+            read = OutputRows.build(spans, [e - 1 for e in ends], list(range(len(spans))), BLOCK, CPU)
             hidden = model(torch.tensor(ids), batch, pool, read)  # (S, hidden)
             assert hidden.shape[0] == len(spans)
             outs += [hidden, model.compute_logits(hidden)]

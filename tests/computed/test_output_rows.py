@@ -39,10 +39,10 @@ def run(loaded, native: bool, read: bool) -> tuple[list[torch.Tensor], KVPool]:
         pool = KVPool(c.num_layers, 16, BLOCK, c.num_kv_heads, c.head_dim, torch.float32, CPU)
         logits = []
         for spans, ids in steps(c.vocab_size):
-            batch = AttentionBatch.build(spans, BLOCK, CPU, 0)
+            batch = AttentionBatch.build(spans, BLOCK, CPU)
             rows = last_rows(spans)
             if read:
-                readout = OutputRows.build(spans, rows, range(len(spans)), BLOCK, CPU, 0)
+                readout = OutputRows.build(spans, rows, range(len(spans)), BLOCK, CPU)
                 hidden = model(torch.tensor(ids), batch, pool, readout)
             else:
                 hidden = model(torch.tensor(ids), batch, pool).index_select(0, torch.tensor(rows))
