@@ -149,6 +149,30 @@ inline void gather(const T* kp, const T* vp, const int64_t* slots, int64_t len, 
 // The head sizes the register-transposing gathers (gather8, gather16, gather_dot) take.
 constexpr int64_t kMaxGatherDim = 256;
 
+// The K rows of keys j0 .. j0 + N - 1 of a job (`zeros` past len) into krow, and their V rows
+// into vc as float32 (zeros past len), with gather's look-ahead hints: the register-transposing
+// gathers' shared part (T: float, or uint16_t bfloat16 bits, widened; head size a multiple of 8).
+template <int N, class T>
+inline void key_rows(const T* kp, const T* vp, const int64_t* slots, int64_t j0, int64_t len, const Shape& sh,
+                     int64_t h, const T* zeros, const T* krow[N], float* vc) {
+  for (int r = 0; r < N; ++r) {
+    const int64_t j = j0 + r;
+    prefetch_ahead(kp, vp, slots, j, len, sh, h);
+    if (j < len) {
+      const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
+      krow[r] = kp + row;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(vc + j * sh.dim, vp + row, sh.dim * sizeof(float));
+      } else {
+        for (int64_t d = 0; d < sh.dim; d += 8) store(vc + j * sh.dim + d, load_kv(vp + row + d));
+      }
+    } else {
+      krow[r] = zeros;
+      std::fill(vc + j * sh.dim, vc + (j + 1) * sh.dim, 0.f);
+    }
+  }
+}
+
 #if defined(__AVX2__)
 // 8 rows of 8 floats transposed in registers: r[c] becomes column c of the block.
 inline void transpose8(__m256 r[8]) {
@@ -183,18 +207,7 @@ inline void gather8(const T* kp, const T* vp, const int64_t* slots, int64_t len,
   for (int64_t j0 = 0; j0 < lp_keys; j0 += 8) {  // 8 keys inside one key block (kBlockKeys % 8 == 0)
     float* tile = kt + (j0 / kBlockKeys) * kBlockKeys * sh.dim + j0 % kBlockKeys;
     const T* krow[8];
-    for (int r = 0; r < 8; ++r) {
-      const int64_t j = j0 + r;
-      prefetch_ahead(kp, vp, slots, j, len, sh, h);
-      if (j < len) {
-        const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
-        krow[r] = kp + row;
-        for (int64_t d = 0; d < sh.dim; d += 8) store(vc + j * sh.dim + d, load_kv(vp + row + d));
-      } else {
-        krow[r] = kZeros;
-        std::fill(vc + j * sh.dim, vc + (j + 1) * sh.dim, 0.f);
-      }
-    }
+    key_rows<8>(kp, vp, slots, j0, len, sh, h, kZeros, krow, vc);
     for (int64_t d0 = 0; d0 < sh.dim; d0 += 8) {
       __m256 x[8];
       for (int r = 0; r < 8; ++r) x[r] = (__m256)load_kv(krow[r] + d0);
@@ -245,18 +258,7 @@ inline void gather16(const float* kp, const float* vp, const int64_t* slots, int
   for (int64_t j0 = 0; j0 < lp_keys; j0 += 16) {  // 16 keys inside one key block (kBlockKeys % 16 == 0)
     float* tile = kt + (j0 / kBlockKeys) * kBlockKeys * sh.dim + j0 % kBlockKeys;
     const float* krow[16];
-    for (int r = 0; r < 16; ++r) {
-      const int64_t j = j0 + r;
-      prefetch_ahead(kp, vp, slots, j, len, sh, h);
-      if (j < len) {
-        const int64_t row = (slots[j] * sh.kv_heads + h) * sh.dim;
-        krow[r] = kp + row;
-        std::memcpy(vc + j * sh.dim, vp + row, sh.dim * sizeof(float));
-      } else {
-        krow[r] = kZeros;
-        std::fill(vc + j * sh.dim, vc + (j + 1) * sh.dim, 0.f);
-      }
-    }
+    key_rows<16>(kp, vp, slots, j0, len, sh, h, kZeros, krow, vc);
     for (int64_t d0 = 0; d0 < sh.dim; d0 += 16) {
       __m512 x[16];
       for (int r = 0; r < 16; ++r) x[r] = _mm512_loadu_ps(krow[r] + d0);
