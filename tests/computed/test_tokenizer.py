@@ -56,6 +56,22 @@ def test_encode_matches_transformers(checkpoint: Path, add_special_tokens: bool)
         ), text
 
 
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_many_matches_transformers_one_text_at_a_time(
+    checkpoint: Path, add_special_tokens: bool
+) -> None:
+    """The batched path (`encode_batch_fast`, no offsets) gives each text the ids
+    transformers gives it alone, long random texts included."""
+    ours, hf = Tokenizer(checkpoint), reference(checkpoint)
+    rng = random.Random(7)
+    texts = TEXTS + [
+        ours.decode([rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 1200))], False)
+        for _ in range(24)
+    ]
+    expected = [hf.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+    assert ours.encode_many(texts, add_special_tokens) == expected
+
+
 def test_llama_style_adds_bos_and_qwen_style_does_not(tiny_models: TinyModels) -> None:
     llama, qwen = Tokenizer(tiny_models.get("llama")), Tokenizer(tiny_models.get("qwen3"))
     assert llama.encode("hi")[0] == llama.bos_token_id == 0 and llama.encode("hi", False)[0] != 0
