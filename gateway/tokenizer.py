@@ -44,13 +44,18 @@ class LocalTokenizer:
         try:
             if prompt.messages is not None:
                 text = self.render(prompt.messages)
-                ids = None if text is None else self._backend.encode(text, add_special_tokens=False).ids
+                ids = None if text is None else self._encode(text, add_special_tokens=False)
             else:
-                ids = self._backend.encode(prompt.text or "", add_special_tokens=True).ids
+                ids = self._encode(prompt.text or "", add_special_tokens=True)
         except Exception as exc:  # noqa: BLE001 (a template raises anything; the worker will say it)
             log.debug("local tokenization declined", error=str(exc))
             return None
         return tuple(ids) if ids else None
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`encode`'s ids without its character offsets, which nothing here reads: the
+        path computed tokenizes by (computed.model.tokenizer), about a third cheaper."""
+        return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render(self, messages: Any) -> str | None:
         if self._template is None or not messages or len(messages) > MAX_MESSAGES:
