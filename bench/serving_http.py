@@ -110,11 +110,12 @@ def run(ctx: BenchContext) -> BenchResult:
         "run per workload, whatever its dtype; the rows below them compare the same dtype. Neither side is "
         "told a temperature: ours serves greedy, vLLM its checkpoint's generation config.\n\n"
         + table(rows)
-        + "\n\nWhere our time to first token went in each run kept above: the client's mean beside our "
-        "worker's, in its parts (computed's /metrics: admission = received, parsed, tokenized, checked; "
-        "queue = until its first forward starts; prefill = to its first token; queue + prefill = the "
-        "worker's TTFT); the rest is the client, HTTP, the gateway and gRPC both ways.\n\n"
-        + phases_table(rows)
+        + "\n\nWhere our time to first token went in each run kept above: the client's mean beside the "
+        "gateway's (its /metrics: received -> the worker's first message in) and our worker's, in its parts "
+        "(computed's /metrics: admission = received, parsed, tokenized, checked; queue = until its first "
+        "forward starts; prefill = to its first token; queue + prefill = the worker's TTFT). Client - "
+        "gateway is the client and HTTP both ways; gateway - worker admission - worker TTFT is the "
+        "gateway's parsing and placement and gRPC both ways.\n\n" + phases_table(rows)
     )
     return BenchResult("serving", TITLE, figures, details)
 
@@ -154,6 +155,7 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
             )
             metrics_port = read_metrics_port(computed)
             gateway = start_gateway(out, [computed.address], blockd=blockd.address, name=f"gateway-{dtype}")
+            gateway_port = int(gateway.address.rpartition(":")[2])  # its /metrics is on its HTTP port
             vllm, vllm_url = _start_vllm(out, dtype)
             try:
                 for name, flags in WORKLOADS.items():
@@ -165,10 +167,15 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
                     for seed in range(args.rounds):
                         tag = f"{name}_{dtype}_{seed}"
                         for side, url in (("vllm", vllm_url), ("ours", f"http://{gateway.address}")):
-                            before = scrape_metrics(metrics_port) if side == "ours" else None
+                            ports = (metrics_port, gateway_port)
+                            before = [scrape_metrics(p) for p in ports] if side == "ours" else None
                             result = _bench(url, name, flags, out / f"{side}_{tag}.json", args, seed)
                             if before is not None:
-                                result[PHASES_KEY] = worker_phases(before, scrape_metrics(metrics_port))
+                                after = [scrape_metrics(p) for p in ports]
+                                result[PHASES_KEY] = {
+                                    **worker_phases(before[1], after[1], GATEWAY_PHASES),
+                                    **worker_phases(before[0], after[0]),
+                                }
                             if (
                                 side not in best
                                 or result["output_throughput"] > best[side]["output_throughput"]
@@ -185,9 +192,11 @@ def measure(out: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]
     return rows
 
 
-# Our worker's time to first token in its parts (computed's /metrics, EngineObserver):
-# name in a result -> metric.
+# Our time to first token in its parts: name in a result -> metric. The gateway's view
+# (its /metrics): received -> the worker's first message in (parsing, placement, gRPC both
+# ways and all of the worker's part); the worker's (computed's /metrics, EngineObserver).
 PHASES_KEY = "worker_phases_ms"
+GATEWAY_PHASES = {"gateway: received -> first chunk": "gateway_time_to_first_chunk_seconds"}
 PHASES = {
     "admission": "computed_request_admission_seconds",
     "queue": "computed_request_queue_seconds",
@@ -196,10 +205,13 @@ PHASES = {
 }
 
 
-def worker_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Each phase's mean ms per request between two scrapes of computed's /metrics."""
+def worker_phases(
+    before: dict[str, float], after: dict[str, float], phases: dict[str, str] = PHASES
+) -> dict[str, float]:
+    """Each phase's mean ms per request between two scrapes of a daemon's /metrics
+    (computed's for `PHASES`, the gateway's for `GATEWAY_PHASES`)."""
     out = {}
-    for name, metric in PHASES.items():
+    for name, metric in phases.items():
         count = after[metric + "_count"] - before.get(metric + "_count", 0.0)
         total = after[metric + "_sum"] - before.get(metric + "_sum", 0.0)
         out[name] = 1000 * total / count if count else float("nan")
@@ -208,15 +220,19 @@ def worker_phases(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 def phases_table(rows: list[tuple[str, dict, dict]]) -> str:
     """Where our time to first token went in each kept run: the client's mean beside the
-    worker's phases (the rest is the client, HTTP, the gateway and gRPC both ways)."""
+    gateway's view and the worker's phases (client - gateway: the client and HTTP both
+    ways; gateway - worker admission - worker TTFT: the gateway's parsing and placement and
+    gRPC both ways). A phase a run has no figure for shows nan."""
+    columns = [*GATEWAY_PHASES, *PHASES]
     lines = [
-        "| workload | client TTFT mean ms | worker: " + " | ".join(PHASES) + " (mean ms) |",
-        "|---|---|" + "---|" * len(PHASES),
-    ]
+        "| workload | client TTFT mean ms | " + " | ".join(GATEWAY_PHASES) + " | worker: " + " | ".join(PHASES)
+        + " (mean ms) |",
+        "|---|---|" + "---|" * len(columns),
+    ]  # fmt: skip
     for name, ours, _ in rows:
         phases = ours.get(PHASES_KEY)
         if phases is not None:
-            cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+            cells = " | ".join(f"{phases.get(p, float('nan')):.1f}" for p in columns)
             lines.append(f"| {name} | {ours['mean_ttft_ms']:.1f} | {cells} |")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.serving_http import PHASES, PHASES_KEY, phases_table, worker_phases
+from bench.serving_http import GATEWAY_PHASES, PHASES, PHASES_KEY, phases_table, worker_phases
 
 
 def scrape(per_phase: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -46,4 +46,20 @@ def test_a_phase_nothing_reached_is_nan_and_the_table_shows_only_runs_with_phase
     table = phases_table([("shared, bfloat16", ours, {}), ("unrelated, bfloat16", {"mean_ttft_ms": 1.0}, {})])
     lines = table.splitlines()
     assert len(lines) == 3, table  # header, rule, the one run that has phases
-    assert lines[2].startswith("| shared, bfloat16 | 61.2") and "| 50.0 |" in lines[2], table
+    # No gateway figure in this run: its column shows nan, the worker's follow in order.
+    assert lines[2].startswith("| shared, bfloat16 | 61.2 | nan | nan | 50.0 |"), table
+
+
+def test_the_gateways_view_comes_from_its_own_metric_before_the_workers_phases() -> None:
+    metric = GATEWAY_PHASES["gateway: received -> first chunk"]
+    gateway = worker_phases(
+        scrape({metric: (3.0, 0.3)}), scrape({metric: (5.0, 0.3 + 2 * 0.080)}), GATEWAY_PHASES
+    )
+    assert gateway == {"gateway: received -> first chunk": pytest.approx(80.0)}
+    worker = worker_phases(
+        scrape({m: (0.0, 0.0) for m in PHASES.values()}), scrape({m: (2.0, 0.1) for m in PHASES.values()})
+    )
+    ours = {"mean_ttft_ms": 100.0, PHASES_KEY: {**gateway, **worker}}
+    header, _, row = phases_table([("shared, float32", ours, {})]).splitlines()
+    assert header.index("gateway: received -> first chunk") < header.index("worker: admission"), header
+    assert row == "| shared, float32 | 100.0 | 80.0 | 50.0 | 50.0 | 50.0 | 50.0 |", row
