@@ -73,8 +73,9 @@ class Tokenizer:
 
         The ids are `tokenizers`' `encode` ids; `encode_batch_fast` leaves out the character
         offsets, which nothing here reads (tests/computed/test_tokenizer.py checks the ids
-        are the same). Why: 1,040-token prompts of the serving benchmark's shared workload,
-        8 at a time, 4.9 ms against 7.3 (one prompt 0.22 against 0.27 ms), and a burst's
+        are the same). Why: prompts made as the serving benchmark makes them (1,040 random
+        ids of the built-in model decoded, ~1,200 tokens again), medians of 20 on a quiet
+        machine: 8 in one call 5.4 ms against 7.2, one 1.07 ms against 1.6; a burst's
         tokenizing competes with the forward for the cores (`bench.serving_http`)."""
         encoded = self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
         return [e.ids for e in encoded]
