@@ -307,7 +307,7 @@ class DirectoryClient:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED,
-            ):
+            ) and not _transport_lost(exc):
                 # Anything else means our bookkeeping disagrees with blockd's: resync heals it.
                 log.error(
                     "blockd_refused",
@@ -316,6 +316,16 @@ class DirectoryClient:
                     details=exc.details(),
                 )
             raise DirectoryUnavailable(f"{exc.code().name}: {exc.details()}") from exc
+
+
+# What gRPC's own core answers (INTERNAL) when the connection dies under a call, e.g. blockd
+# killed mid-Step (tests/reliability/test_faults.py saw it in 1 of 3 CI runs): a lost
+# blockd, like UNAVAILABLE, not an answer of blockd's, whose INTERNAL details differ.
+_CORE_INTERNAL_DETAILS = "Internal error from Core"
+
+
+def _transport_lost(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _CORE_INTERNAL_DETAILS
 
 
 def _stored_block(msg: pb.SharedBlock) -> StoredBlock:
