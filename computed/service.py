@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 import structlog
 from google.protobuf.message import DecodeError
 
@@ -349,6 +350,13 @@ _CACHE_POLICIES = {
 }
 
 
+def _token_ids(field: Any) -> list[int]:
+    """A repeated uint32 field as a list of ints. Through numpy: upb's container hands its
+    values over in one copy, where `list()` boxes them one call at a time (a 4,160-id
+    prompt: 128 us against 206, bench.ttft's admission column)."""
+    return np.array(field, dtype=np.uint32).tolist() if len(field) > 64 else list(field)
+
+
 def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
     """The message as plain values; an unset optional field becomes None."""
 
@@ -357,7 +365,7 @@ def _generate_input(request: pb.GenerateRequest) -> GenerateInput:
 
     return GenerateInput(
         prompt=request.prompt,
-        prompt_token_ids=list(request.prompt_token_ids),
+        prompt_token_ids=_token_ids(request.prompt_token_ids),
         messages=_chat(request.messages),
         max_tokens=optional("max_tokens"),
         temperature=optional("temperature"),

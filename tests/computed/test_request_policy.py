@@ -88,3 +88,12 @@ def test_tokenize_renders_a_chat_or_encodes_text() -> None:
     assert policy().tokenize("hi", [], add_special_tokens=True) == (list(b"hi"), "")
     with pytest.raises(RequestError, match="not both"):
         policy().tokenize("hi", [("user", "hi")], add_special_tokens=True)
+
+
+def test_the_first_out_of_range_id_is_named_among_valid_ones() -> None:
+    tokens = [1] * 10 + [300, 1, 999, 2]
+    with pytest.raises(
+        RequestError, match=r"prompt_token_ids: token id 300 is out of range; the vocab has 256"
+    ):
+        policy().admit(GenerateInput(prompt_token_ids=tokens))
+    assert policy().admit(GenerateInput(prompt_token_ids=[255] * 20)).prompt_token_ids == [255] * 20
