@@ -2,10 +2,13 @@
 
 cold: every prompt is new (all 256 blocks miss, are allocated, then freed);
 warm: the prompt is cached (all 256 blocks are hashed, verified and referenced).
-Both go through `BlockDirectory.step`, validation included, as a worker's call does,
-with the tokens as a Python list; "warm, protobuf tokens" passes them as the parsed
-repeated field the gRPC servicer hands over (converted through numpy).
-Goal: median <= 100 us per warm admit + release.
+Both go through `BlockDirectory.step`, validation included, with the tokens as a Python
+list; "warm, protobuf tokens" passes them as the parsed repeated field the gRPC servicer
+hands over for a varint Step (converted through numpy), "warm, packed" as the uint32
+bytes computed sends (`token_bytes`, no conversion).
+Goal: median <= 100 us per warm admit + release of what computed sends, on the build the
+daemon runs: `main` measures each build of the core in its own process
+(bench.core_builds).
 
 Side by side, the two wire forms of a Step as the servicer handles them (bytes parsed,
 converted, applied): varint token_ids with commits that resend their tokens, against
@@ -20,6 +23,8 @@ import random
 import statistics
 import time
 
+from bench import core_builds
+from blockd import native
 from blockd.directory import BlockDirectory
 from blockd.hashing import DEFAULT_HASHER, namespace_seed, token_bytes
 from blockd.types import AdmitOp, CommitOp, Namespace, ReleaseOp
@@ -34,7 +39,8 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def main(quick: bool = False) -> dict:
+def measure(quick: bool = False) -> dict:
+    """The figures, on whichever build of the core this process imported."""
     iterations = 300 if quick else 3000
     rng = random.Random(0)
     prompt = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
@@ -42,9 +48,10 @@ def main(quick: bool = False) -> dict:
     reg = directory.register_pool(4 * PROMPT_TOKENS // BLOCK_SIZE, BLOCK_SIZE, Namespace("bench"), "bench:0")
     pool_id, epoch = reg.pool_id, reg.epoch
 
-    def admit_release(sequence_id: int, tokens: list[int]) -> tuple[float, int]:
+    def admit_release(sequence_id: int, tokens, packed: bytes = b"") -> tuple[float, int]:
         start = time.perf_counter()
-        result = directory.step(pool_id, epoch, admits=[AdmitOp(sequence_id, tokens)]).admits[0]
+        op = AdmitOp(sequence_id, tokens, token_bytes=packed)
+        result = directory.step(pool_id, epoch, admits=[op]).admits[0]
         directory.step(pool_id, epoch, releases=[ReleaseOp(sequence_id)])
         return time.perf_counter() - start, result.num_cached_tokens
 
@@ -74,6 +81,13 @@ def main(quick: bool = False) -> dict:
         assert cached == PROMPT_TOKENS
         warm_pb.append(seconds)
 
+    packed = token_bytes(prompt)  # what computed sends (its directory client's compact Steps)
+    warm_packed = []
+    for i in range(iterations):
+        seconds, cached = admit_release(3 * 10**6 + i, (), packed)
+        assert cached == PROMPT_TOKENS
+        warm_packed.append(seconds)
+
     # Where warm time goes: converting the token list once, and hashing 256 blocks.
     seed = namespace_seed(Namespace("bench"), BLOCK_SIZE)
     data = token_bytes(prompt)
@@ -87,6 +101,7 @@ def main(quick: bool = False) -> dict:
         "warm_admit_release_us": round(_median_us(warm), 1),
         "warm_p99_us": round(statistics.quantiles(warm, n=100)[98] * 1e6, 1),
         "warm_protobuf_tokens_us": round(_median_us(warm_pb), 1),
+        "warm_packed_admit_release_us": round(_median_us(warm_packed), 1),
         "token_conversion_us": round(_median_us(convert), 1),
         "hash_256_blocks_us": round(_median_us(hashing), 1),
         "goal_us": GOAL_US,
@@ -94,12 +109,15 @@ def main(quick: bool = False) -> dict:
     figures["warm_over_cold"] = round(figures["warm_admit_release_us"] / figures["cold_admit_release_us"], 2)
     figures["warm_over_goal"] = round(figures["warm_admit_release_us"] / GOAL_US, 2)
     print(
-        f"blockd core, {PROMPT_TOKENS}-token prompt ({PROMPT_TOKENS // BLOCK_SIZE} blocks), "
-        f"{iterations} iterations, median per admit+release:"
+        f"blockd core ({'compiled' if native.is_enabled() else 'pure'}), {PROMPT_TOKENS}-token prompt "
+        f"({PROMPT_TOKENS // BLOCK_SIZE} blocks), {iterations} iterations, median per admit+release:"
     )
     print(f"  cold (all miss): {figures['cold_admit_release_us']:8.1f} us")
     print(f"  warm (all hit):  {figures['warm_admit_release_us']:8.1f} us  (p99 {figures['warm_p99_us']} us)")
     print(f"  warm, protobuf tokens: {figures['warm_protobuf_tokens_us']:8.1f} us")
+    print(
+        f"  warm, packed token bytes (what computed sends): {figures['warm_packed_admit_release_us']:8.1f} us"
+    )
     print(
         f"    of which token list -> bytes {figures['token_conversion_us']} us, "
         f"256 xxh3 chain hashes {figures['hash_256_blocks_us']} us"
@@ -115,6 +133,24 @@ def main(quick: bool = False) -> dict:
         f"by index {figures['packed_step_us']} us ({figures['packed_step_bytes']} B); varint / packed = "
         f"{figures['varint_over_packed']}x"
     )
+    return figures
+
+
+def main(quick: bool = False) -> dict:
+    """`measure` in a fresh process per build of the core (bench.core_builds), the daemon's
+    first: its figures are the headline ("core" says which build), the pure core's warm
+    figure beside them where the compiled one exists. In the process that runs every
+    benchmark the pure modules are usually imported already, and measuring there had
+    reported the pure core's figure as the daemon's (313 us in BENCHMARKS.md before this
+    ran in a child; measured one after the other on this 2-core machine: compiled 96 us,
+    pure 211)."""
+    builds = core_builds.builds()
+    found = {build: core_builds.in_child(build, "bench.blockd_core", f"measure({quick})") for build in builds}
+    figures = dict(found[builds[0]])
+    figures["core"] = builds[0]
+    if "compiled" in found:
+        figures["pure_warm_admit_release_us"] = found["pure"]["warm_admit_release_us"]
+        figures["pure_cold_admit_release_us"] = found["pure"]["cold_admit_release_us"]
     return figures
 
 

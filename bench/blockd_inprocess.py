@@ -24,13 +24,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import pstats
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+from bench import core_builds
 from bench.blockd_grpc import (
     ADMITS_PER_STEP,
     BLOCK_SIZE,
@@ -40,7 +37,6 @@ from bench.blockd_grpc import (
     StepWriter,
     _field,
 )
-from blockd import native
 from blockd.auth import BearerAuth
 from blockd.config import DirectoryConfig
 from blockd.directory import BlockDirectory
@@ -49,7 +45,6 @@ from blockd.service import BlockDirectoryService
 from blockd.types import Namespace
 from kvcache.v1 import directory_pb2 as pb
 
-REPO = Path(__file__).resolve().parent.parent
 WIRE = "packed"  # the form computed and bench.blockd_grpc's batched workers send
 WARMUP_STEPS = 40  # per worker: 160 admissions of 128 new blocks fill a 4,096-block pool 5x
 
@@ -138,22 +133,6 @@ def measure(rounds: int, steps: int, profile: bool = False) -> dict:
     return figures
 
 
-def in_child(build: str, rounds: int, steps: int) -> dict:
-    """`measure` in a fresh process on one build of the directory core: "compiled" (the
-    daemon's, blockd.native) or "pure". Both cannot share a process (same module names)."""
-    code = (
-        "import json, sys\n"
-        "from blockd import native\n"
-        f"native.enable({'on' if build == 'compiled' else 'off'!r})\n"
-        "from bench.blockd_inprocess import measure\n"
-        f"print(json.dumps(measure({rounds}, {steps})))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"the {build} run failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(quick: bool = False, rounds: int = 5, steps: int = 100, profile: bool = False) -> dict:
     """The compiled core (what the daemon runs where built) and the pure one, each in its own
     process, in turns of both orders; without a current build (make native), pure alone."""
@@ -161,11 +140,13 @@ def main(quick: bool = False, rounds: int = 5, steps: int = 100, profile: bool =
         rounds, steps = 2, 25
     if profile:
         return measure(rounds, steps, profile)
-    builds = ("compiled", "pure") if native.is_built() else ("pure",)
+    builds = core_builds.builds()
     runs: dict[str, list[dict]] = {build: [] for build in builds}
     for order in (builds, builds[::-1]):
         for build in order:
-            runs[build].append(in_child(build, rounds, steps))
+            runs[build].append(
+                core_builds.in_child(build, "bench.blockd_inprocess", f"measure({rounds}, {steps})")
+            )
     best = {build: min(found, key=lambda f: f["cpu_us_per_admission"]) for build, found in runs.items()}
     figures = dict(best[builds[0]])
     figures["core"] = builds[0]
