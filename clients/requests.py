@@ -118,7 +118,7 @@ class Prompt:
     ) -> Prompt:
         return cls(
             text=prompt,
-            # map, not a generator: 0.26 ms against 0.59 for 4,160 ids (bench.ttft's client side)
+            # map, not a generator expression: 4,160 ids in 0.21-0.26 ms against 0.32-0.59 (in process)
             token_ids=tuple(map(int, token_ids)) if token_ids is not None else None,
             messages=tuple(ChatMessage.coerce(m) for m in messages) if messages is not None else None,
             cache_salt=cache_salt,

@@ -277,12 +277,9 @@ class RequestPolicy:
 
     def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
         vocab = self.info.vocab_size
-        # max() first: a C loop over a valid prompt (the common case), where the generator
-        # costs a Python step per id; the first offender is looked for only when there is one.
-        if not tokens or max(tokens) < vocab:
-            return
-        bad = next(t for t in tokens if t >= vocab)
-        raise RequestError(f"{field}: token id {bad} is out of range; the vocab has {vocab} ids")
+        bad = next((t for t in tokens if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"{field}: token id {bad} is out of range; the vocab has {vocab} ids")
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         if not self.tokenizer.has_chat_template:
